@@ -1,0 +1,34 @@
+"""The algorithm code stays plain PyTorch; platform/ never becomes a Python package."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PURE = sorted((ROOT / "trainables" / "ssl").glob("*.py")) + [
+    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "data.py", "models.py", "config.py", "optim.py")
+]
+FORBIDDEN = {"ray", "mlflow", "optuna"}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)
+def test_pure_modules_import_no_search_stack(path):
+    assert not imported_roots(path) & FORBIDDEN, f"{path} imports {imported_roots(path) & FORBIDDEN}"
+
+
+def test_platform_is_not_a_package():
+    platform = ROOT / "platform"
+    assert not (platform / "__init__.py").exists()
+    assert not list(platform.rglob("*.py"))
+    import platform as stdlib_platform
+    assert hasattr(stdlib_platform, "python_version")

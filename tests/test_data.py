@@ -1,0 +1,309 @@
+"""Tests for trainables/data.py: splits, determinism, augmentation, ImageFolder trees, errors.
+
+CPU only, no network, no dataset files: scikit-learn's digits and tiny PNG trees built in tmp_path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from trainables import data as D
+from trainables.config import DataConfig
+from trainables.validation import ConfigError
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def digits_raw() -> D.RawDataset:
+    return D.load_raw(DataConfig(dataset="digits"))
+
+
+@pytest.fixture(scope="module")
+def digits() -> D.DeviceData:
+    return D.prepare_data(DataConfig(dataset="digits", n_val=500, n_labeled=50), 0, CPU)
+
+
+def _norm(raw: D.RawDataset, images: np.ndarray) -> torch.Tensor:
+    """Reference normalisation of uint8 (N, H, W, C) -> float (N, C, H, W)."""
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).double() / 255.0
+    mean = torch.tensor(raw.mean, dtype=torch.float64).view(1, -1, 1, 1)
+    std = torch.tensor(raw.std, dtype=torch.float64).view(1, -1, 1, 1)
+    return ((x - mean) / std).float()
+
+
+# ------------------------------------------------------------------------------------------- splits
+
+def test_splits_are_stratified_and_consistent(digits_raw):
+    labels = digits_raw.train_labels
+    s = D.make_splits(labels, n_val=500, val_seed=131, n_labeled=50, labeled_seed=1, fingerprint="digits")
+    counts = np.bincount(labels, minlength=10)
+    for idx, n in ((s.val, 500), (s.labeled, 50)):
+        assert len(idx) == n and len(np.unique(idx)) == n
+        expected = n * counts / counts.sum() if n == 500 else np.full(10, n / 10)
+        assert np.all(np.abs(np.bincount(labels[idx], minlength=10) - expected) <= 1 + 1e-9)
+    val, lab, unl = set(s.val), set(s.labeled), set(s.unlabeled)
+    assert not val & lab and not val & unl and lab <= unl
+    assert unl == set(range(len(labels))) - val
+    assert all(np.all(np.diff(a) > 0) and a.dtype == np.int64 for a in (s.val, s.labeled, s.unlabeled))
+
+    again = D.make_splits(labels, 500, 131, 50, 1, fingerprint="digits")
+    assert again.hashes == s.hashes and all(len(h) == 16 for h in s.hashes.values())
+    other = D.make_splits(labels, 500, 131, 50, 2, fingerprint="digits")
+    assert np.array_equal(other.val, s.val) and other.hashes["val"] == s.hashes["val"]
+    assert not np.array_equal(other.labeled, s.labeled) and other.hashes["labeled"] != s.hashes["labeled"]
+    assert D.make_splits(labels, 500, 131, 50, 1, fingerprint="other").hashes["val"] != s.hashes["val"]
+
+
+def test_split_edge_sizes(digits_raw):
+    labels = digits_raw.train_labels
+    s = D.make_splits(labels, n_val=0, val_seed=131, n_labeled=-1, labeled_seed=0)
+    assert len(s.val) == 0 and len(s.labeled) == len(s.unlabeled) == len(labels)
+    s = D.make_splits(labels, n_val=97, val_seed=131, n_labeled=len(labels) - 97, labeled_seed=0)
+    assert np.array_equal(s.labeled, s.unlabeled)
+
+
+@pytest.mark.parametrize("n_val, n_labeled, field, words", [
+    (1797, 50, "data.n_val", "smaller than the training split (1797 images)"),
+    (5000, 50, "data.n_val", "smaller than the training split"),
+    (5, 50, "data.n_val", "number of classes"),
+    (500, 1298, "data.n_labeled", "at most the 1297 images"),
+    (500, 9, "data.n_labeled", "fewer than one label per class"),
+    (500, 1290, "data.n_labeled", "stratified"),
+])
+def test_split_errors_name_the_field(digits_raw, n_val, n_labeled, field, words):
+    with pytest.raises(ConfigError) as err:
+        D.make_splits(digits_raw.train_labels, n_val, 131, n_labeled, 0)
+    assert str(err.value).startswith(f"{field} must") and words in str(err.value)
+
+
+def test_prepare_data_errors():
+    with pytest.raises(ConfigError, match="data.n_labeled must .*fewer than one label per class"):
+        D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=3), 0, CPU)
+    with pytest.raises(ConfigError, match="data.eval_split must be 'val' for dataset 'digits'"):
+        D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=50, eval_split="test"), 0, CPU)
+    with pytest.raises(ConfigError, match="data.pad must be smaller than the image side"):
+        D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=50, pad=32), 0, CPU)
+    with pytest.raises(ConfigError, match="Unknown dataset 'digts'.*Did you mean 'digits'"):
+        D.load_raw(DataConfig(dataset="digts"))
+
+
+def test_registry_rejects_duplicates():
+    assert {"cifar10", "cifar100", "svhn", "imagefolder", "digits"} <= set(D.DATASETS)
+    with pytest.raises(ValueError, match="already registered"):
+        D.register_dataset("digits")(lambda cfg: None)
+
+
+def test_cifar10_missing_root_mentions_download(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        D.load_raw(DataConfig(dataset="cifar10", root=str(tmp_path / "nothing")))
+    assert "data.root" in str(err.value) and "data.download=true" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------ device pipeline
+
+def test_interface_shapes_and_sizes(digits):
+    assert digits.num_classes == 10 and digits.class_names == [str(i) for i in range(10)]
+    assert digits.image_shape == (3, 32, 32)
+    assert digits.sizes == {"train": 1797, "val": 500, "labeled": 50, "unlabeled": 1297, "test": 0}
+    assert set(digits.split_hashes) == {"val", "labeled", "unlabeled"}
+    assert digits.default_steps_per_epoch(256) == 1297 // 256 and digits.default_steps_per_epoch(4096) == 1
+    assert "digits" in digits.describe() and "\n" not in digits.describe()
+    batches = list(digits.train_batches(0, 0, 32, 3, augment_twice=False))
+    assert len(batches) == 3
+    b = batches[0]
+    assert b.x_sup.shape == b.x_unsup0.shape == (32, 3, 32, 32) and b.y_sup.shape == (32,)
+    assert b.x_sup.dtype == torch.float32 and b.y_sup.dtype == torch.int64
+    assert b.x_unsup1 is b.x_unsup0
+
+
+def test_train_batches_are_a_pure_function_of_epoch_and_seed(digits):
+    def run(epoch, seed, twice=True):
+        return [dataclasses.astuple(b) for b in digits.train_batches(epoch, seed, 64, 4, twice)]
+    a, b = run(3, 7), run(3, 7)
+    assert all(torch.equal(x, y) for ba, bb in zip(a, b) for x, y in zip(ba, bb))
+    other_epoch, other_seed = run(4, 7), run(3, 8)
+    assert not torch.equal(a[0][0], other_epoch[0][0]) and not torch.equal(a[0][2], other_epoch[0][2])
+    assert not torch.equal(a[0][0], other_seed[0][0])
+    assert not torch.equal(a[0][2], a[0][3])          # augment_twice: independent views
+    torch.manual_seed(0)
+    g0 = torch.get_rng_state()
+    run(3, 7)
+    assert torch.equal(torch.get_rng_state(), g0)    # global RNG untouched
+
+
+def test_sampling_cycles_labeled_set_and_permutes_unlabeled(digits):
+    steps, bs = 20, 64                                 # 1,280 draws: 25.6 passes of the 50 labels
+    labeled = set(digits.splits.labeled.tolist())
+    seen = [b.y_sup for b in digits.train_batches(0, 1, bs, steps, False)]
+    # the order train_batches draws: rebuilt from the same stream to check the sampling itself
+    gen = D._generator(1, 0, "labeled", CPU)
+    order = D.epoch_order(torch.from_numpy(digits.splits.labeled), steps * bs, gen).numpy()
+    assert set(order.tolist()) == labeled
+    counts = np.bincount(order, minlength=1797)[sorted(labeled)]
+    assert counts.max() - counts.min() <= 1
+    assert torch.equal(torch.cat(seen), digits.labels[torch.from_numpy(order)])
+    unl = D.epoch_order(torch.from_numpy(digits.splits.unlabeled), 1297, D._generator(1, 0, "unlabeled", CPU))
+    assert sorted(unl.tolist()) == digits.splits.unlabeled.tolist()
+
+
+def test_eval_batches_are_normalised_raw_images(digits, digits_raw):
+    xs, ys = zip(*digits.eval_batches("val", 128))
+    assert [len(y) for y in ys] == [128, 128, 128, 116]
+    x, y = torch.cat(xs), torch.cat(ys)
+    val = digits.splits.val
+    assert torch.equal(y, torch.from_numpy(digits_raw.train_labels[val]))
+    assert torch.allclose(x, _norm(digits_raw, digits_raw.train_images[val]), atol=1e-5)
+    assert x.mean((0, 2, 3)).abs().max() < 0.2
+    most = D.prepare_data(DataConfig(dataset="digits", n_val=1700, n_labeled=-1), 0, CPU)
+    x = torch.cat([x for x, _ in most.eval_batches("val", 1000)])
+    assert x.shape[0] == 1700 and x.mean((0, 2, 3)).abs().max() < 0.2
+    assert torch.allclose(x.std((0, 2, 3)), torch.ones(3), atol=0.2)
+    with pytest.raises(ConfigError, match="data.eval_split must be 'val' for a dataset without a test split"):
+        most.eval_batches("test", 10)
+
+
+def test_gather_crops_equals_reflect_pad_and_slice():
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (10, 3, 12, 16), generator=gen, dtype=torch.uint8)
+    idx = torch.tensor([3, 0, 9, 3, 5, 5, 1, 2])
+    pad = 4
+    oy, ox, flips = D.crop_flip_params((8,), pad, True, gen)
+    assert flips.any() and not flips.all()
+    out = D.gather_crops(images, idx, D.window_indices(oy, 12, pad), D.window_indices(ox, 16, pad, flips))
+    padded = F.pad(images.float(), (pad,) * 4, mode="reflect")
+    for b in range(8):
+        ref = padded[idx[b], :, oy[b]:oy[b] + 12, ox[b]:ox[b] + 16]
+        ref = ref.flip(-1) if flips[b] else ref
+        assert torch.equal(out[b].float(), ref)
+
+
+def test_train_view_is_a_window_of_the_padded_labeled_image(digits, digits_raw):
+    """End to end: each x_sup is a crop (maybe flipped) of the reflect-padded image of its label."""
+    pad = 4
+    dev = D.prepare_data(DataConfig(dataset="digits", n_val=500, n_labeled=50, flip=True, pad=pad), 0, CPU)
+    labeled = dev.splits.labeled
+    padded = F.pad(_norm(digits_raw, digits_raw.train_images[labeled]), (pad,) * 4, mode="reflect")
+    windows = padded.unfold(2, 32, 1).unfold(3, 32, 1)           # (L, C, 9, 9, 32, 32)
+    windows = windows.permute(0, 2, 3, 1, 4, 5).reshape(len(labeled), 81, 3, 32, 32)
+    windows = torch.cat([windows, windows.flip(-1)], 1)            # (L, 162, C, H, W)
+    batch = next(iter(dev.train_batches(0, 5, 16, 1, False)))
+    for x, y in zip(batch.x_sup, batch.y_sup):
+        diff = (windows - x).abs().flatten(2).amax(-1)            # (L, 162)
+        hit = (diff < 1e-5).nonzero()
+        assert len(hit) > 0
+        assert all(digits_raw.train_labels[labeled[i]] == y for i in hit[:, 0].tolist())
+
+
+def test_flip_off_never_flips_and_on_flips(digits_raw):
+    def views(flip):
+        d = D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=50, flip=flip, pad=0), 0, CPU)
+        raw = _norm(digits_raw, digits_raw.train_images)[:, 0].flatten(1)                 # (N, H*W)
+        x = torch.cat([torch.cat([b.x_sup, b.x_unsup0]) for b in d.train_batches(0, 0, 128, 2, False)])
+        dist = torch.cdist(x[:, 0].flatten(1), raw, compute_mode="donot_use_mm_for_euclid_dist")
+        return (dist.amin(1) < 1e-4).tolist()
+    assert all(views(False))                  # pad 0, no flip: every view is an untouched image
+    assert not all(views(True))               # with flips some views match no image as stored
+
+
+# --------------------------------------------------------------------------------------- imagefolder
+
+def _write_tree(root: Path, classes: int, per_class: int, size: int, split_dirs: bool, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for split in (("train", "test") if split_dirs else ("",)):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class if split != "test" else 2):
+                base = np.array([80 * c, 255 - 60 * c, 40 + 10 * i], dtype=np.int16)
+                img = np.clip(base + rng.integers(-30, 30, (size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(img).save(folder / f"{i:03d}.png")
+
+
+def _zip_tree(root: Path, out: Path) -> Path:
+    with zipfile.ZipFile(out, "w") as z:
+        for p in sorted(root.rglob("*.png")):
+            z.write(p, p.relative_to(root).as_posix())
+    return out
+
+
+def test_imagefolder_folder_and_zip_on_device_with_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    _write_tree(tree, classes=3, per_class=12, size=32, split_dirs=True)
+    zipped = _zip_tree(tree, tmp_path / "tree.zip")
+    cfg = DataConfig(dataset="imagefolder", root=str(tree), n_val=6, n_labeled=6, eval_split="test")
+    a = D.prepare_data(cfg, 0, CPU)
+    b = D.prepare_data(dataclasses.replace(cfg, root=str(zipped)), 0, CPU)
+    for d in (a, b):
+        assert isinstance(d, D.DeviceData) and d.class_names == ["class0", "class1", "class2"]
+        assert d.sizes == {"train": 36, "val": 6, "labeled": 6, "unlabeled": 30, "test": 6}
+        assert d.image_shape == (3, 32, 32)
+    assert a.split_hashes == b.split_hashes                  # same tree, same fingerprint
+    assert torch.equal(a.images, b.images) and torch.equal(a.test_images, b.test_images)
+    first = np.array(Image.open(tree / "train" / "class1" / "000.png"))
+    assert torch.equal(a.images[12], torch.from_numpy(first).permute(2, 0, 1))   # sorted class, file order
+    x, y = next(a.eval_batches("test", 100))
+    assert x.shape == (6, 3, 32, 32) and y.tolist() == [0, 0, 1, 1, 2, 2]
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded again instead of reading the cache")
+    monkeypatch.setattr(D, "_decode_all", no_decode)
+    again = D.prepare_data(dataclasses.replace(cfg, root=str(zipped)), 0, CPU)
+    assert torch.equal(again.images, b.images) and again.split_hashes == b.split_hashes
+
+
+def test_imagefolder_plain_class_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    _write_tree(tmp_path / "wrap" / "tree", classes=3, per_class=6, size=16, split_dirs=False)
+    zipped = _zip_tree(tmp_path / "wrap", tmp_path / "t.zip")          # members tree/class*/...
+    d = D.prepare_data(DataConfig(dataset="imagefolder", root=str(zipped), n_val=3, n_labeled=3, pad=2), 0, CPU)
+    assert d.class_names == ["class0", "class1", "class2"] and d.sizes["test"] == 0 and d.image_shape == (3, 16, 16)
+    assert next(iter(d.train_batches(0, 0, 4, 1, False))).x_sup.shape == (4, 3, 16, 16)
+
+
+def test_imagefolder_mixed_sizes_rejected_for_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    _write_tree(tmp_path / "tree", classes=2, per_class=4, size=16, split_dirs=False)
+    Image.new("RGB", (20, 16)).save(tmp_path / "tree" / "class1" / "999.png")
+    with pytest.raises(ConfigError, match="data.root must hold images of one size"):
+        D.prepare_data(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), n_val=2, n_labeled=2), 0, CPU)
+    with pytest.raises(ConfigError, match="data.root must be an ImageFolder tree"):
+        D.prepare_data(DataConfig(dataset="imagefolder", root=str(tmp_path / "missing")), 0, CPU)
+
+
+def test_loader_pipeline_large_images(tmp_path):
+    tree = tmp_path / "big"
+    _write_tree(tree, classes=2, per_class=6, size=80, split_dirs=False)
+    cfg = DataConfig(dataset="imagefolder", root=str(tree), n_val=2, n_labeled=4, image_size=64, workers=0,
+                     colour_jitter=True)
+    d = D.prepare_data(cfg, 0, CPU)
+    assert isinstance(d, D.LoaderData) and d.image_shape == (3, 64, 64)
+    assert d.sizes == {"train": 12, "val": 2, "labeled": 4, "unlabeled": 10, "test": 0}
+    first = list(d.train_batches(1, 3, 4, 2, augment_twice=True))
+    assert len(first) == 2
+    b = first[0]
+    assert b.x_sup.shape == b.x_unsup0.shape == b.x_unsup1.shape == (4, 3, 64, 64)
+    assert b.x_sup.dtype == torch.float32 and b.y_sup.dtype == torch.int64
+    assert not torch.equal(b.x_unsup0, b.x_unsup1)
+    second = list(d.train_batches(1, 3, 4, 2, augment_twice=True))
+    assert all(torch.equal(p, q) for x, y in zip(first, second)
+               for p, q in zip(dataclasses.astuple(x), dataclasses.astuple(y)))
+    assert not torch.equal(b.x_sup, next(iter(d.train_batches(2, 3, 4, 1, True))).x_sup)
+    once = next(iter(d.train_batches(1, 3, 4, 1, augment_twice=False)))
+    assert once.x_unsup1 is once.x_unsup0
+    x, y = next(d.eval_batches("val", 10))
+    assert x.shape == (2, 3, 64, 64) and torch.equal(y, torch.from_numpy(np.array([0, 1])))
+    # two workers give the same batches as none (per-sample generators)
+    workers = D.prepare_data(dataclasses.replace(cfg, workers=2), 0, CPU)
+    par = list(workers.train_batches(1, 3, 4, 2, augment_twice=True))
+    assert all(torch.equal(p, q) for x, y in zip(first, par)
+               for p, q in zip(dataclasses.astuple(x), dataclasses.astuple(y)))

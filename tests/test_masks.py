@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+
+from trainables.ssl.masks import beta_sample, box_masks, cow_masks, gaussian_matrices
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def spatial_autocorrelation(masks: torch.Tensor, shift: int = 2) -> float:
+    """Correlation between a pixel and its neighbour `shift` pixels to the right, over all masks."""
+    m = masks[:, 0].float()
+    a, b = m[:, :, :-shift].flatten(), m[:, :, shift:].flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).mean() / (a.std(correction=0) * b.std(correction=0)))
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5, 0.8])
+def test_cow_mask_mean_matches_fixed_p(p):
+    masks = cow_masks(512, (32, 32), (4.0, 16.0), (p, p), gen())
+    assert masks.shape == (512, 1, 32, 32)
+    assert set(masks.unique().tolist()) <= {0.0, 1.0}
+    assert abs(masks.mean().item() - p) < 0.03
+    # per-mask deviation is small on average, as the reference observes (~0.04 on 32x32)
+    assert (masks.mean((1, 2, 3)) - p).abs().mean().item() < 0.07
+
+
+def test_cow_mask_mean_over_p_range():
+    masks = cow_masks(1024, (32, 32), (4.0, 16.0), (0.2, 0.8), gen(1))
+    assert abs(masks.mean().item() - 0.5) < 0.03
+    per_mask = masks.mean((1, 2, 3))
+    assert per_mask.min() < 0.3 and per_mask.max() > 0.7
+
+
+def test_larger_sigma_gives_smoother_masks():
+    small = cow_masks(256, (32, 32), (1.0, 1.0), (0.5, 0.5), gen(2))
+    medium = cow_masks(256, (32, 32), (4.0, 4.0), (0.5, 0.5), gen(2))
+    large = cow_masks(256, (32, 32), (16.0, 16.0), (0.5, 0.5), gen(2))
+    r_small, r_medium, r_large = (spatial_autocorrelation(m) for m in (small, medium, large))
+    assert r_small < r_medium < r_large
+    assert r_large > 0.8 and r_small < 0.5
+
+
+def test_cow_masks_seeded():
+    a = cow_masks(8, (32, 32), (4.0, 16.0), (0.2, 0.8), gen(5))
+    b = cow_masks(8, (32, 32), (4.0, 16.0), (0.2, 0.8), gen(5))
+    c = cow_masks(8, (32, 32), (4.0, 16.0), (0.2, 0.8), gen(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_gaussian_matrix_is_zero_padded_filter():
+    sig = torch.tensor([2.0])
+    g = gaussian_matrices(sig, 8, max_sigma=2.0)[0]
+    x = torch.arange(8.0)
+    expected = torch.exp(-(x[:, None] - x[None, :]) ** 2 / 8.0) / (2.0 * math.sqrt(2 * math.pi))
+    assert torch.allclose(g, expected)
+    # kernel radius comes from max_sigma: 2 * round(3 * 0.5) + 1 = 5 taps each side
+    g_small = gaussian_matrices(torch.tensor([3.0]), 16, max_sigma=0.5)[0]
+    assert g_small[0, 5] > 0 and g_small[0, 6] == 0
+
+
+@pytest.mark.parametrize("mode", ["fixed", "random_area", "random_size"])
+def test_box_masks_inside_bounds(mode):
+    masks = box_masks(500, (32, 24), mode, 0.25, True, gen(3))
+    assert masks.shape == (500, 1, 32, 24)
+    inside = masks[:, 0] == 0
+    for m in inside[:50]:
+        rows = m.any(1).nonzero().flatten()
+        cols = m.any(0).nonzero().flatten()
+        if len(rows):
+            # a single contiguous rectangle
+            assert m[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()
+            assert m.sum() == (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+    if mode == "fixed":
+        assert abs(inside.float().mean().item() - 0.25) < 0.03
+    if mode == "random_area":
+        assert abs(inside.float().mean().item() - 0.5) < 0.05
+
+
+def test_box_mask_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="scale_mode"):
+        box_masks(2, (8, 8), "huge", 0.25, True, gen())
+
+
+def test_beta_sample_moments():
+    for a in (0.1, 1.0, 2.0):
+        s = beta_sample(a, 20000, gen(4))
+        assert s.min() >= 0 and s.max() <= 1
+        assert abs(s.mean().item() - 0.5) < 0.02
+        assert abs(s.var().item() - 1 / (4 * (2 * a + 1))) < 0.01

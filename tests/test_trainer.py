@@ -1,0 +1,154 @@
+"""The trainer on real (small) data: every method steps, gradients go where they should, resume is exact."""
+import json
+import math
+
+import pytest
+import torch
+
+from trainables import metrics as M
+from trainables.config import TrainConfig
+from trainables.data import prepare_data
+from trainables.models import create_model
+from trainables.optim import make_optimizer
+from trainables.ssl.ema import make_teacher
+from trainables.step import StepRunner
+from trainables.trainer import fit
+from trainables.validation import ConfigError
+
+METHODS = {
+    "supervised": {},
+    "mean_teacher": {"perturb": {"name": "mean_teacher", "conf_thresh": 0.0}},
+    "randerase": {"perturb": {"name": "randerase"}},
+    "cowout": {"perturb": {"name": "cowout"}},
+    "ict": {"mix": {"name": "ict"}},
+    "cutmix": {"mix": {"name": "cutmix"}},
+    "cowmix": {"mix": {"name": "cowmix"}},
+    "cowout+cowmix": {"perturb": {"name": "cowout"}, "mix": {"name": "cowmix"}},
+}
+
+
+def tiny_config(method="cowmix", **train):
+    d = {
+        "seed": 0, "model": "cnn_tiny",
+        "data": {"dataset": "digits", "n_val": 200, "n_labeled": 30},
+        "optim": {"lr_per_256": 0.5, "schedule": "constant"},
+        "train": {"batch_size": 16, "epochs": 1, "steps_per_epoch": 3, "eval_batch_size": 256,
+                  "device": "cpu", **train},
+        **METHODS[method],
+    }
+    return TrainConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return prepare_data(tiny_config().data, labeled_seed=0, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_trains_and_reports(method, digits, tmp_path):
+    cfg = tiny_config(method)
+    assert cfg.method == method
+    reports = []
+    result = fit(cfg, tmp_path, data=digits, report=lambda e, m, p: reports.append((e, m, p)), log=lambda s: None)
+    assert [e for e, _, _ in reports] == [1]
+    final = result["final"]
+    for key in (M.LOSS_SUP, M.VAL_ERROR_TEACHER, M.VAL_ERROR_STUDENT, M.LR, M.IMAGES_PER_S):
+        assert math.isfinite(final[key]), key
+    assert (M.LOSS_MIX in final) == (cfg.mix is not None)
+    assert (M.LOSS_CONS in final) == (cfg.perturb is not None)
+    assert (tmp_path / "checkpoint.pt").exists() and (tmp_path / "result.json").exists()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])[M.EPOCH] == 1
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "supervised"])
+def test_unlabeled_loss_trains_student_not_teacher(method, digits):
+    cfg = tiny_config(method)
+    torch.manual_seed(0)
+    student = create_model(cfg.model, digits.num_classes)
+    teacher = make_teacher(student)
+    runner = StepRunner(cfg, student, teacher, make_optimizer(student, cfg.optim, 16), torch.device("cpu"), False)
+    # let every sample pass the confidence threshold so the unlabeled loss is non-zero
+    import dataclasses
+    for key in ("perturb", "mix"):
+        path = getattr(cfg, key)
+        if path is not None:
+            runner.cfg = dataclasses.replace(runner.cfg, **{key: dataclasses.replace(path, conf_thresh=0.0)})
+    batch = next(iter(digits.train_batches(0, 0, 16, 1, cfg.perturb is not None and
+                                           cfg.perturb.regularizer.augment_twice)))
+    loss, _ = runner.losses(batch, torch.Generator().manual_seed(0), supervised=False)
+    assert loss.item() > 0
+    loss.backward()
+    unl_norm = sum(float(p.grad.norm()) for p in student.parameters() if p.grad is not None)
+    assert unl_norm > 0, "the unlabeled loss sends no gradient to the student"
+    assert all(p.grad is None for p in teacher.parameters()), "the teacher got a gradient"
+    assert all(not p.requires_grad for p in teacher.parameters())
+
+
+def test_resume_is_bit_exact(digits, tmp_path):
+    cfg = tiny_config("cowout+cowmix", epochs=3)
+    fit(cfg, tmp_path / "straight", data=digits, log=lambda s: None)
+
+    class Stop(Exception):
+        pass
+
+    def die_after_first(epoch, metrics, path):
+        if epoch == 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        fit(cfg, tmp_path / "resumed", data=digits, report=die_after_first, log=lambda s: None)
+    logs = []
+    fit(cfg, tmp_path / "resumed", data=digits, log=logs.append)
+    assert any("resumed from" in line and "epoch 1" in line for line in logs)
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)
+    assert a["epoch"] == b["epoch"] == 3
+    for part in ("student", "teacher"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), f"{part}.{k} differs after resume"
+    assert [h[M.VAL_ERROR_TEACHER] for h in a["history"]] == [h[M.VAL_ERROR_TEACHER] for h in b["history"]]
+
+
+def test_resume_with_shake_shake_gates_is_bit_exact(tmp_path):
+    cfg = TrainConfig.from_dict({**tiny_config("cowmix", epochs=2, steps_per_epoch=2, batch_size=4).to_dict(),
+                                 "model": "wrn26_2_shakeshake"})
+    data = prepare_data(cfg.data, 0, torch.device("cpu"))
+    fit(cfg, tmp_path / "a", data=data, log=lambda s: None)
+
+    def die(epoch, metrics, path):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, tmp_path / "b", data=data, report=die, log=lambda s: None)
+    fit(cfg, tmp_path / "b", data=data, log=lambda s: None)
+    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["student"]
+    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["student"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_same_seed_same_result_other_seed_differs(digits, tmp_path):
+    r1 = fit(tiny_config("cowmix"), tmp_path / "1", data=digits, log=lambda s: None)["final"]
+    r2 = fit(tiny_config("cowmix"), tmp_path / "2", data=digits, log=lambda s: None)["final"]
+    assert r1[M.LOSS_MIX] == r2[M.LOSS_MIX] and r1[M.LOSS_SUP] == r2[M.LOSS_SUP]
+    cfg3 = TrainConfig.from_dict({**tiny_config("cowmix").to_dict(), "seed": 1})
+    r3 = fit(cfg3, tmp_path / "3", data=digits, log=lambda s: None)["final"]
+    assert r3[M.LOSS_SUP] != r1[M.LOSS_SUP]
+
+
+def test_checkpoint_from_another_config_is_refused(digits, tmp_path):
+    fit(tiny_config("cowmix"), tmp_path, data=digits, log=lambda s: None)
+    other = TrainConfig.from_dict({**tiny_config("cowmix").to_dict(), "mix": {"name": "cowmix", "weight": 5.0}})
+    with pytest.raises(ConfigError, match=r"different config \(differs in: mix.weight\)"):
+        fit(other, tmp_path, data=digits, log=lambda s: None)
+    # a longer run of the same config may continue from it
+    longer = tiny_config("cowmix", epochs=2)
+    with pytest.raises(ConfigError, match="train.epochs"):
+        fit(longer, tmp_path, data=digits, log=lambda s: None)
+
+
+def test_bad_split_fails_before_training(tmp_path):
+    cfg = TrainConfig.from_dict({**tiny_config().to_dict(), "data": {"dataset": "digits", "n_val": 200,
+                                                                       "n_labeled": 5000}})
+    with pytest.raises(ConfigError, match="data.n_labeled"):
+        fit(cfg, tmp_path, log=lambda s: None)
+    assert not (tmp_path / "checkpoint.pt").exists()

@@ -1,0 +1,194 @@
+"""Typed, validated training configuration: the only place defaults live.
+
+A config is a tree of frozen dataclasses. ``TrainConfig.from_dict`` builds one from plain data
+(YAML, JSON, a Tune sample) and rejects unknown keys and bad values with a message naming the
+field; ``to_dict`` goes back. Defaults follow the authors' published command-line defaults
+(CowMix on CIFAR-10 with 1,000 labels) except where a field's comment says otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainables.ssl.regularizers import Regularizer, regularizer_from_dict, regularizer_to_dict
+from trainables.validation import ConfigError, build_dataclass, check, dataclass_to_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    dataset: str = "cifar10"          # registry name: cifar10 | cifar100 | svhn | imagefolder | digits
+    root: str = "data"                # torchvision folder, ImageFolder tree, or a .zip of one
+    download: bool = False            # let torchvision download (needs a network)
+    n_val: int = 5000                 # validation holdout carved from train first (0 = none)
+    val_seed: int = 131               # StratifiedShuffleSplit seed of the holdout
+    n_labeled: int = 1000             # labeled subset size; -1 = every non-validation image
+    labeled_seed: int | None = None   # None: the run seed picks the labeled subset
+    eval_split: str = "val"           # "val" (holdout) or "test" (the dataset's test split)
+    flip: bool | None = None          # horizontal flips; None: dataset default (no flip for svhn, digits)
+    pad: int = 4                      # reflect padding before the random crop (small images)
+    image_size: int | None = None     # ImageFolder: side of the training crop; None: native / 224
+    colour_jitter: bool = False       # large-image path only (inception crop + flip + jitter)
+    pipeline: str = "auto"            # "device" (decoded uint8 on the training device), "loader", "auto"
+    workers: int = 4                  # DataLoader workers for the large-image path
+
+    def __post_init__(self) -> None:
+        check(self.n_val >= 0, "data.n_val", "be >= 0", self.n_val)
+        check(self.n_labeled == -1 or self.n_labeled >= 1, "data.n_labeled", "be >= 1 or -1 (all)", self.n_labeled)
+        check(self.eval_split in ("val", "test"), "data.eval_split", "be 'val' or 'test'", self.eval_split)
+        check(self.eval_split != "val" or self.n_val > 0, "data.eval_split",
+              "be 'test' when data.n_val is 0 (there is no holdout to evaluate on)", self.eval_split)
+        check(self.pad >= 0, "data.pad", "be >= 0", self.pad)
+        check(self.image_size is None or self.image_size >= 8, "data.image_size", "be >= 8 or null", self.image_size)
+        check(self.pipeline in ("auto", "device", "loader"), "data.pipeline", "be 'auto', 'device' or 'loader'", self.pipeline)
+        check(self.workers >= 0, "data.workers", "be >= 0", self.workers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr_per_256: float = 0.05          # SGD learning rate per 256 labeled images; effective = lr_per_256 * batch / 256
+    momentum: float = 0.9
+    nesterov: bool = True
+    l2: float = 5e-4                  # coupled L2 on conv and linear weights only (not biases, not BN)
+    schedule: str = "stepped"         # "stepped" | "cosine" | "constant"
+    steps: tuple[tuple[float, float], ...] = ((120.0, 0.2), (240.0, 0.04))  # (epoch, absolute factor of base)
+    cosine_half_epochs: float = 300.0  # cosine: epochs for the half cosine from 1 to 0
+    warmup_epochs: float = 0.0        # linear warm-up from 0, any schedule
+
+    def __post_init__(self) -> None:
+        check(self.lr_per_256 > 0, "optim.lr_per_256", "be > 0", self.lr_per_256)
+        check(0 <= self.momentum < 1, "optim.momentum", "be in [0, 1)", self.momentum)
+        check(self.l2 >= 0, "optim.l2", "be >= 0", self.l2)
+        check(self.schedule in ("stepped", "cosine", "constant"), "optim.schedule",
+              "be 'stepped', 'cosine' or 'constant'", self.schedule)
+        check(all(len(s) == 2 and s[0] >= 0 and s[1] >= 0 for s in self.steps), "optim.steps",
+              "be a list of [epoch >= 0, factor >= 0] pairs", self.steps)
+        check(list(self.steps) == sorted(self.steps), "optim.steps", "be sorted by epoch", self.steps)
+        check(self.cosine_half_epochs > 0, "optim.cosine_half_epochs", "be > 0", self.cosine_half_epochs)
+        check(self.warmup_epochs >= 0, "optim.warmup_epochs", "be >= 0", self.warmup_epochs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherConfig:
+    alpha: float = 0.97               # EMA decay: teacher = alpha * teacher + (1 - alpha) * student
+    anneal: bool = False              # scale (1 - alpha) by the learning-rate schedule factor
+
+    def __post_init__(self) -> None:
+        check(0 <= self.alpha <= 1, "teacher.alpha", "be in [0, 1]", self.alpha)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerturbPath:
+    """Erasure consistency: the student sees a perturbed view, the teacher the clean one."""
+    regularizer: Regularizer
+    weight: float = 1.0               # omega of the erasure loss
+    conf_thresh: float = 0.97         # teacher confidence must exceed this (strict); <= 0 lets all pass
+    conf_avg: bool = False            # False: per-sample mask; True: scale by the fraction passing
+
+    def __post_init__(self) -> None:
+        check(self.regularizer.kind == "perturb", "perturb.name", "name an erasure regularizer",
+              self.regularizer.name)
+        check(self.weight >= 0, "perturb.weight", "be >= 0", self.weight)
+        check(self.conf_thresh < 1, "perturb.conf_thresh", "be < 1", self.conf_thresh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixPath:
+    """Mixing consistency: the student sees a mix of two images, the target mixes the teacher's."""
+    regularizer: Regularizer
+    weight: float = 30.0              # omega of the mix loss
+    conf_thresh: float = 0.6
+    conf_avg: bool = True             # True: scale the loss by the fraction of the batch passing
+    conf_mode: str = "mix_conf"       # "mix_conf": blend the two confidences; "mix_prob": of the blended target
+    mix_logits: bool = False          # blend teacher logits (then softmax) instead of probabilities
+
+    def __post_init__(self) -> None:
+        check(self.regularizer.kind == "mix", "mix.name", "name a mixing regularizer", self.regularizer.name)
+        check(self.weight >= 0, "mix.weight", "be >= 0", self.weight)
+        check(self.conf_thresh < 1, "mix.conf_thresh", "be < 1", self.conf_thresh)
+        check(self.conf_mode in ("mix_conf", "mix_prob"), "mix.conf_mode", "be 'mix_conf' or 'mix_prob'",
+              self.conf_mode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    batch_size: int = 256             # labeled batch; the unlabeled batch has the same size
+    epochs: int = 300
+    steps_per_epoch: int | None = None  # None: n_unlabeled // batch_size (195 on CIFAR-10 without holdout)
+    eval_batch_size: int = 1000
+    device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
+    precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
+    channels_last: bool = True        # NHWC memory format on cuda
+    compile: bool = False             # torch.compile the forward passes
+    deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
+    threads: int | None = None        # CPU intra-op threads; None: torch default
+
+    def __post_init__(self) -> None:
+        check(self.batch_size >= 2, "train.batch_size", "be >= 2", self.batch_size)
+        check(self.epochs >= 1, "train.epochs", "be >= 1", self.epochs)
+        check(self.steps_per_epoch is None or self.steps_per_epoch >= 1, "train.steps_per_epoch",
+              "be >= 1 or null", self.steps_per_epoch)
+        check(self.eval_batch_size >= 1, "train.eval_batch_size", "be >= 1", self.eval_batch_size)
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+              "train.device", "be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        check(self.precision in ("auto", "fp32", "bf16"), "train.precision", "be 'auto', 'fp32' or 'bf16'",
+              self.precision)
+        check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    seed: int = 0                     # run seed: weights, sampling order, augmentation, masks
+    model: str = "wrn26_6_shakeshake"  # see `cowtune models`; WRN-26 shake-shake 96x2d as in the paper
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    perturb: PerturbPath | None = None  # erasure path (mean_teacher, randerase, cowout); None = off
+    mix: MixPath | None = None          # mixing path (ict, cutmix, cowmix); None = off
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    @property
+    def method(self) -> str:
+        """Short name of the method: the regularizers in use, or 'supervised'."""
+        names = [p.regularizer.name for p in (self.perturb, self.mix) if p is not None]
+        return "+".join(names) or "supervised"
+
+    @property
+    def labeled_seed(self) -> int:
+        return self.seed if self.data.labeled_seed is None else self.data.labeled_seed
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        """Build and validate a config; raises ConfigError naming the bad field."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config must be a mapping, got {type(d).__name__}")
+        d = dict(d)
+        paths = {}
+        for key, path_cls in (("perturb", PerturbPath), ("mix", MixPath)):
+            if d.get(key) is not None:
+                paths[key] = _path_from_dict(key, path_cls, d.pop(key))
+            else:
+                d.pop(key, None)
+        cfg = build_dataclass(cls, d, prefix="", skip=("perturb", "mix"))
+        return dataclasses.replace(cfg, **paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclass_to_dict(self, skip=("perturb", "mix"))
+        for key in ("perturb", "mix"):
+            path = getattr(self, key)
+            out[key] = None if path is None else {
+                **regularizer_to_dict(path.regularizer),
+                **dataclass_to_dict(path, skip=("regularizer",)),
+            }
+        return out
+
+
+def _path_from_dict(key: str, path_cls: type, d: Any) -> Any:
+    if not isinstance(d, dict) or "name" not in d:
+        raise ConfigError(f"{key} must be a mapping with a 'name' (a regularizer), got {d!r}")
+    path_fields = {f.name for f in dataclasses.fields(path_cls)} - {"regularizer"}
+    path_part = {k: v for k, v in d.items() if k in path_fields}
+    reg_part = {k: v for k, v in d.items() if k not in path_fields}
+    reg = regularizer_from_dict(reg_part, prefix=key, extra_allowed=sorted(path_fields))
+    path = build_dataclass(path_cls, path_part, prefix=f"{key}.", skip=("regularizer",), extra={"regularizer": reg})
+    return path

@@ -1,0 +1,23 @@
+"""Metric names, defined once and shared by the trainer, the Tune trainable and MLflow."""
+from __future__ import annotations
+
+LOSS_SUP = "train/loss_sup"
+ERR_SUP = "train/error_sup"
+LOSS_CONS = "train/loss_cons"
+CONF_RATE = "train/conf_rate"
+LOSS_MIX = "train/loss_mix"
+MIX_CONF_RATE = "train/mix_conf_rate"
+LR = "train/lr"
+IMAGES_PER_S = "train/images_per_s"
+STEPS_PER_S = "train/steps_per_s"
+EPOCH = "epoch"
+STEP = "step"
+
+
+def eval_key(split: str, what: str, model: str) -> str:
+    """e.g. eval_key("val", "error", "teacher") -> "val/error_teacher"."""
+    return f"{split}/{what}_{model}"
+
+
+VAL_ERROR_TEACHER = eval_key("val", "error", "teacher")   # the search objective
+VAL_ERROR_STUDENT = eval_key("val", "error", "student")

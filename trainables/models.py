@@ -1,0 +1,286 @@
+"""Model registry: the Wide ResNets, shake-shake WRNs and ResNets used for CowMask experiments.
+
+Paper: "Milking CowMask for Semi-Supervised Image Classification", French, Oliver, Salimans,
+arXiv:2003.12022. The shake-shake WRN follows the published implementation
+(`architectures/model_wrn_shakeshake.py`), see reference §6.1: biased convs, 3x3 conv + BN
+shortcuts, LeCun truncated-normal init and TF "SAME" padding on stride-2 convs.
+
+All models take NCHW float images (any size ≥ 32; `cnn_tiny` ≥ 8) and return logits (N, classes).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from trainables.validation import unknown_name
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {}
+
+
+def register_model(name: str) -> Callable[[Callable[[int], nn.Module]], Callable[[int], nn.Module]]:
+    """Decorator adding ``builder(num_classes) -> nn.Module`` to MODELS under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered (a silent overwrite would hide a clash).
+    """
+    if name in MODELS:
+        raise ValueError(f"model '{name}' is already registered")
+
+    def deco(builder: Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
+        MODELS[name] = builder
+        return builder
+
+    return deco
+
+
+def create_model(name: str, num_classes: int) -> nn.Module:
+    """Build a registered model with freshly initialised weights (never downloads anything).
+
+    Raises:
+        ConfigError: ``name`` is not registered; the message lists known names and the closest.
+    """
+    if name not in MODELS:
+        raise unknown_name("model", name, MODELS)
+    return MODELS[name](num_classes)
+
+
+def list_models() -> list[str]:
+    return sorted(MODELS)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters (BN running statistics are buffers and not counted)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def same_pad(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """Pad H and W by the TF/XLA "SAME" rule: odd totals put the extra row/col bottom/right.
+
+    total = max((ceil(in/s) - 1)*s + k - in, 0), left = total // 2. For a stride-2 3x3 conv on an
+    even size this is (0, 1), where PyTorch's ``padding=1`` would give (1, 1) and shift the grid.
+    """
+    h, w = x.shape[-2:]
+    ph = max((math.ceil(h / stride) - 1) * stride + kernel - h, 0)
+    pw = max((math.ceil(w / stride) - 1) * stride + kernel - w, 0)
+    if ph == 0 and pw == 0:
+        return x
+    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+
+
+class SameConv2d(nn.Conv2d):
+    """Conv2d with TF "SAME" padding (reference §6), as in the flax models of arXiv:2003.12022."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, bias: bool = True):
+        # Stride 1 with an odd kernel is symmetric, so plain padding avoids an extra F.pad copy.
+        symmetric = stride == 1 and kernel % 2 == 1
+        super().__init__(cin, cout, kernel, stride, padding=kernel // 2 if symmetric else 0, bias=bias)
+        self.dynamic_pad = not symmetric
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dynamic_pad:
+            x = same_pad(x, self.kernel_size[0], self.stride[0])
+        return super().forward(x)
+
+
+def lecun_init_(model: nn.Module) -> None:
+    """flax defaults: LeCun truncated-normal kernels (±2 std, std rescaled by 0.8796), zero biases."""
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            fan_in = m.weight[0].numel()
+            std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of N(0,1) truncated at ±2
+            nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
+                  beta: torch.Tensor) -> torch.Tensor:
+    """Shake-shake: value alpha*a + (1-alpha)*b, gradient as if beta*a + (1-beta)*b.
+
+    Written with ``detach`` instead of a custom autograd.Function so torch.compile can trace it.
+    Gates are broadcastable to ``a``, normally (N, 1, 1, 1).
+    """
+    return beta * a + (1 - beta) * b + ((alpha - beta) * (a - b)).detach()
+
+
+# ----------------------------------------------------------------------------- Wide ResNet
+
+class PreActBlock(nn.Module):
+    """Pre-activation WRN block (Zagoruyko & Komodakis, arXiv:1605.07146)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, dropout: float):
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(cin), nn.BatchNorm2d(cout)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.shortcut = None
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Conv2d(cin, cout, 1, stride, 0, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = F.relu(self.bn1(x))
+        # On a shape change the shortcut sees the activated input (original WRN code).
+        skip = x if self.shortcut is None else self.shortcut(o)
+        o = self.conv1(o)
+        o = self.conv2(self.dropout(F.relu(self.bn2(o))))
+        return skip + o
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-widen (arXiv:1605.07146), the backbone of most SSL papers (e.g. WRN-28-2)."""
+
+    def __init__(self, depth: int, widen: int, num_classes: int, dropout: float = 0.0):
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ValueError(f"depth must be 6n+4, got {depth}")
+        n = (depth - 4) // 6
+        widths = [16 * widen, 32 * widen, 64 * widen]
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        blocks, cin = [], 16
+        for g, cout in enumerate(widths):
+            for i in range(n):
+                blocks.append(PreActBlock(cin, cout, 2 if (g > 0 and i == 0) else 1, dropout))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.bn = nn.BatchNorm2d(cin)
+        self.fc = nn.Linear(cin, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.blocks(self.stem(x))))
+        return self.fc(x.mean((2, 3)))  # (N, C) global average pool
+
+
+# ----------------------------------------------------------------------------- shake-shake WRN
+
+def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.ReLU(), SameConv2d(cin, cout, 3, stride), nn.BatchNorm2d(cout),
+        nn.ReLU(), SameConv2d(cout, cout, 3, 1), nn.BatchNorm2d(cout))
+
+
+class ShakeShakeBlock(nn.Module):
+    """Two-branch shake-shake block (Gastaldi, arXiv:1705.07485) as in arXiv:2003.12022 §6.1."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.branch_a, self.branch_b = _branch(cin, cout, stride), _branch(cin, cout, stride)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            # One 3x3 conv + BN on the raw input, not the paper-original pooled 1x1 pair.
+            self.shortcut = nn.Sequential(SameConv2d(cin, cout, 3, stride), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.branch_a(x), self.branch_b(x)
+        if self.training:
+            # Global RNG on purpose: the trainer reseeds it; fresh per-sample gates every call.
+            shape = (x.shape[0], 1, 1, 1)
+            alpha = torch.rand(shape, device=x.device, dtype=a.dtype)
+            beta = torch.rand(shape, device=x.device, dtype=a.dtype)
+            mixed = shake_combine(a, b, alpha, beta)
+        else:
+            mixed = 0.5 * (a + b)
+        return self.shortcut(x) + mixed  # no ReLU after the addition
+
+
+class ShakeShakeWRN(nn.Module):
+    """WRN shake-shake with 3x3 conv shortcuts ("WRN-26 shake-shake 96x2d"), arXiv:2003.12022."""
+
+    def __init__(self, blocks_per_group: int, widen: int, num_classes: int):
+        super().__init__()
+        self.stem = SameConv2d(3, 16, 3, 1)  # bias, and no BN/ReLU after it
+        blocks, cin = [], 16
+        for g, cout in enumerate([16 * widen, 32 * widen, 64 * widen]):
+            for i in range(blocks_per_group):
+                blocks.append(ShakeShakeBlock(cin, cout, 2 if (g > 0 and i == 0) else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, num_classes)
+        lecun_init_(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.blocks(self.stem(x)))
+        return self.fc(x.mean((2, 3)))  # (N, C); the 8x8 pool of the reference at 32x32
+
+
+# ----------------------------------------------------------------------------- tiny CNN
+
+class TinyCNN(nn.Module):
+    """Three-conv CNN for CPU tests and laptop smoke runs; not from any paper."""
+
+    def __init__(self, num_classes: int, width: int = 32):
+        super().__init__()
+        layers, cin = [], 3
+        for cout, stride in [(width, 1), (2 * width, 2), (4 * width, 2)]:
+            layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+            cin = cout
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).mean((2, 3)))
+
+
+# ----------------------------------------------------------------------------- registrations
+
+@register_model("wrn28_2")
+def wrn28_2(num_classes: int) -> nn.Module:
+    return WideResNet(28, 2, num_classes)
+
+
+@register_model("wrn28_8")
+def wrn28_8(num_classes: int) -> nn.Module:
+    return WideResNet(28, 8, num_classes)
+
+
+@register_model("wrn26_6_shakeshake")
+def wrn26_6_shakeshake(num_classes: int) -> nn.Module:
+    return ShakeShakeWRN(4, 6, num_classes)
+
+
+@register_model("wrn26_2_shakeshake")
+def wrn26_2_shakeshake(num_classes: int) -> nn.Module:
+    return ShakeShakeWRN(4, 2, num_classes)
+
+
+@register_model("wrn20_6_shakeshake")
+def wrn20_6_shakeshake(num_classes: int) -> nn.Module:
+    return ShakeShakeWRN(3, 6, num_classes)
+
+
+# torchvision definitions, random init; zero-init of the last BN matches reference §6.4.
+@register_model("resnet18")
+def resnet18(num_classes: int) -> nn.Module:
+    return torchvision.models.resnet18(weights=None, num_classes=num_classes, zero_init_residual=True)
+
+
+@register_model("resnet50")
+def resnet50(num_classes: int) -> nn.Module:
+    return torchvision.models.resnet50(weights=None, num_classes=num_classes, zero_init_residual=True)
+
+
+@register_model("resnet152")
+def resnet152(num_classes: int) -> nn.Module:
+    return torchvision.models.resnet152(weights=None, num_classes=num_classes, zero_init_residual=True)
+
+
+@register_model("cnn_tiny")
+def cnn_tiny(num_classes: int) -> nn.Module:
+    return TinyCNN(num_classes)

@@ -1,0 +1,47 @@
+"""Optimiser and learning-rate schedule of the reference implementation.
+
+SGD with Nesterov momentum; coupled L2 on conv and linear weights only (PyTorch ``weight_decay``
+on a parameter group holding just those); base LR = lr_per_256 * batch / 256; stepped schedule
+with absolute factors, or a half cosine; optional linear warm-up. The schedule is a pure function
+of the 0-based step, so resume needs no scheduler state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainables.config import OptimConfig
+
+
+def make_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.SGD:
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            is_kernel = name == "weight" and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear))
+            (decay if is_kernel else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.l2}, {"params": no_decay, "weight_decay": 0.0}]
+    base = cfg.lr_per_256 * batch_size / 256
+    return torch.optim.SGD(groups, lr=base, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def lr_factor(step: int, steps_per_epoch: int, cfg: OptimConfig, warmup: bool = True) -> float:
+    """Multiplier of the base learning rate at 0-based optimiser ``step``.
+
+    stepped: factor v_k of the last boundary round(epoch_k * steps_per_epoch) strictly below step
+    (so a change takes effect at boundary + 1); cosine: 0.5 + 0.5 cos(pi s / (half * spe));
+    warm-up multiplies by min(1, s / (warmup_epochs * spe)).
+    """
+    if cfg.schedule == "constant":
+        factor = 1.0
+    elif cfg.schedule == "stepped":
+        factor = 1.0
+        for epoch, value in cfg.steps:
+            if round(epoch * steps_per_epoch) < step:
+                factor = value
+    else:
+        factor = 0.5 + 0.5 * math.cos(math.pi * step / (cfg.cosine_half_epochs * steps_per_epoch))
+    if warmup and cfg.warmup_epochs > 0:
+        factor *= min(1.0, step / (cfg.warmup_epochs * steps_per_epoch))
+    return factor

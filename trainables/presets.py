@@ -1,0 +1,63 @@
+"""Shipped configs (``trainables/configs/*.yaml``) and ``--set key=value`` overrides."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainables.config import TrainConfig
+from trainables.validation import ConfigError, set_dotted, unknown_name
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+_RANGE = re.compile(r"^\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*:\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def read_config_file(name_or_path: str) -> dict[str, Any]:
+    """A YAML file path, or the name of a shipped preset."""
+    path = Path(name_or_path)
+    if not path.exists():
+        if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+            raise ConfigError(f"config file {name_or_path} does not exist")
+        if name_or_path not in list_presets():
+            raise unknown_name("config preset", name_or_path, list_presets())
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """YAML scalars and lists; 'lo:hi' is a two-number range (YAML would read 4:16 as base 60)."""
+    m = _RANGE.match(text)
+    if m:
+        return [float(m.group(1)), float(m.group(2))]
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
+    return value
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set takes key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        set_dotted(d, key.strip(), parse_value(value))
+    return d
+
+
+def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    return TrainConfig.from_dict(apply_overrides(read_config_file(name_or_path), list(overrides)))

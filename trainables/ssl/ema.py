@@ -1,0 +1,49 @@
+"""Mean Teacher: the teacher is an exponential moving average of the student.
+
+"Mean teachers are better role models", Tarvainen and Valpola, arXiv:1703.01780, as used by
+"Milking CowMask", arXiv:2003.12022: after every optimiser step
+teacher <- alpha * teacher + (1 - alpha) * student, over the parameters AND the floating-point
+buffers (batch-norm running mean and variance); integer buffers (num_batches_tracked) are
+copied. The teacher is a separate module, kept in eval mode, never swapped into the student.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def make_teacher(student: nn.Module) -> nn.Module:
+    """An exact copy of the student, in eval mode, without gradients."""
+    teacher = copy.deepcopy(student)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+class EmaPairs:
+    """The teacher/student tensor lists, gathered once so that each update is one fused call."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module):
+        t_params, s_params = list(teacher.parameters()), list(student.parameters())
+        t_bufs, s_bufs = list(teacher.buffers()), list(student.buffers())
+        if len(t_params) != len(s_params) or len(t_bufs) != len(s_bufs):
+            raise ValueError("teacher and student must have the same structure")
+        self.teacher_float = t_params + [b for b in t_bufs if b.is_floating_point()]
+        self.student_float = s_params + [b for b in s_bufs if b.is_floating_point()]
+        self.teacher_other = [b for b in t_bufs if not b.is_floating_point()]
+        self.student_other = [b for b in s_bufs if not b.is_floating_point()]
+
+
+@torch.no_grad()
+def ema_update_(pairs: EmaPairs, alpha: float | torch.Tensor) -> None:
+    """teacher <- alpha * teacher + (1 - alpha) * student, in place, in one fused kernel.
+
+    ``alpha`` may be a 0-dim tensor on the device (no host synchronisation, no recompilation
+    when it changes).
+    """
+    weight = 1.0 - alpha if isinstance(alpha, torch.Tensor) else float(1.0 - alpha)
+    torch._foreach_lerp_(pairs.teacher_float, pairs.student_float, weight)
+    for t, s in zip(pairs.teacher_other, pairs.student_other):
+        t.copy_(s)

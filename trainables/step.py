@@ -1,0 +1,146 @@
+"""One semi-supervised training step: supervised loss, optional erasure path, optional mix path.
+
+"Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the
+authors' ``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). Each student
+forward is a separate call, so batch-norm statistics are per call. The teacher runs in eval mode
+under ``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainables import metrics as M
+from trainables.config import TrainConfig
+from trainables.data import Batch
+from trainables.ssl.ema import EmaPairs, ema_update_
+from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
+
+
+@contextlib.contextmanager
+def frozen_bn_stats(model: nn.Module):
+    """Run batch norm in train mode without updating its running statistics (momentum 0)."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [m.momentum for m in bns]
+    for m in bns:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, mom in zip(bns, saved):
+            m.momentum = mom
+
+
+class StepRunner:
+    """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
+
+    def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
+                 optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
+        self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
+        self.device = device
+        self.pairs = EmaPairs(teacher, student)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
+            else torch.contiguous_format
+        forward = torch.compile(student) if cfg.train.compile else student
+        teacher_forward = torch.compile(teacher) if cfg.train.compile else teacher
+        self.student_forward, self.teacher_forward = forward, teacher_forward
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
+        keys = [M.LOSS_SUP, M.ERR_SUP]
+        if self.cfg.perturb is not None:
+            keys += [M.LOSS_CONS, M.CONF_RATE]
+        if self.cfg.mix is not None:
+            keys += [M.LOSS_MIX, M.MIX_CONF_RATE]
+        self.sums = {k: torch.zeros((), device=self.device) for k in keys}
+        self.count = 0
+
+    def read_metrics(self) -> dict[str, float]:
+        """Means since the last reset; the one host synchronisation of an epoch."""
+        if self.count == 0:
+            return {}
+        values = torch.stack(list(self.sums.values())).cpu().tolist()
+        return {k: v / self.count for k, v in zip(self.sums, values)}
+
+    def _x(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=self.memory_format)
+
+    def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
+        cfg, stats = self.cfg, {}
+        loss = torch.zeros((), device=self.device)
+        if supervised:
+            with self.autocast:
+                logits_sup = self.student_forward(self._x(batch.x_sup))
+            loss_sup = F.cross_entropy(logits_sup.float(), batch.y_sup)
+            stats[M.LOSS_SUP] = loss_sup.detach()
+            stats[M.ERR_SUP] = (logits_sup.argmax(1) != batch.y_sup).float().mean()
+            loss = loss_sup
+        teacher_logits = None
+        if cfg.perturb is not None or cfg.mix is not None:
+            with torch.no_grad(), self.autocast:
+                teacher_logits = self.teacher_forward(self._x(batch.x_unsup0)).float()
+        if cfg.perturb is not None:
+            path = cfg.perturb
+            x_student = path.regularizer.perturb(batch.x_unsup1, gen)
+            with self.autocast:
+                student_logits_perturbed = self.student_forward(self._x(x_student))
+            teacher_probs = F.softmax(teacher_logits, dim=1)
+            weight, rate = confidence_weight(teacher_probs.max(1).values, path.conf_thresh, path.conf_avg)
+            loss_cons = squared_error(student_logits_perturbed, teacher_probs, weight)
+            loss = loss + path.weight * loss_cons
+            stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
+        if cfg.mix is not None:
+            path = cfg.mix
+            x0 = batch.x_unsup0
+            x_mixed, blend = path.regularizer.mix(x0, torch.roll(x0, shifts=-1, dims=0), gen)
+            teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, path.mix_logits, path.conf_mode)
+            # With both paths on, the reference keeps BN running stats from the erasure call only.
+            freeze = frozen_bn_stats(self.student) if cfg.perturb is not None else contextlib.nullcontext()
+            with freeze, self.autocast:
+                student_logits_mixed = self.student_forward(self._x(x_mixed))
+            weight, rate = confidence_weight(confidence, path.conf_thresh, path.conf_avg)
+            loss_mix = squared_error(student_logits_mixed, teacher_probs_mixed, weight)
+            loss = loss + path.weight * loss_mix
+            stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
+        return loss, stats
+
+    def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+        """One optimiser step and one teacher update."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, stats = self.losses(batch, gen)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        ema_update_(self.pairs, alpha)
+        for k, v in stats.items():
+            self.sums[k] += v
+        self.count += 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, autocast, memory_format) -> tuple[float, float]:
+    """(top-1 error, mean cross-entropy) of ``model`` over (x, y) batches; one host sync at the end."""
+    was_training = model.training
+    model.eval()
+    wrong = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    n = 0
+    for x, y in batches:
+        with autocast:
+            logits = model(x.contiguous(memory_format=memory_format)).float()
+        if wrong.device != logits.device:
+            wrong, loss_sum = wrong.to(logits.device), loss_sum.to(logits.device)
+        wrong += (logits.argmax(1) != y).sum()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
+        n += y.shape[0]
+    model.train(was_training)
+    if n == 0:
+        return float("nan"), float("nan")
+    return (wrong / n).item(), (loss_sum / n).item()

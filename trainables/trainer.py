@@ -1,0 +1,198 @@
+"""Train one configuration on one device, evaluate every epoch, checkpoint, resume exactly.
+
+``fit(cfg, out_dir, report=...)`` is the whole public surface. It knows nothing of Ray or
+MLflow: callers observe it through ``report(epoch, metrics, checkpoint_path)``, called once per
+epoch after the checkpoint is on disk.
+
+Randomness: model initialisation draws from ``torch.manual_seed(seed)``. At the start of every
+epoch each stream is re-derived from (seed, epoch): the data order and augmentation (inside
+``TrainData.train_batches``), the mask generator, and the global torch RNG (shake-shake gates,
+dropout). A run resumed from an epoch checkpoint therefore continues bit-for-bit, and the
+checkpoint still records every RNG state for inspection.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainables import metrics as M
+from trainables.config import TrainConfig
+from trainables.data import TrainData, prepare_data
+from trainables.models import create_model
+from trainables.optim import lr_factor, make_optimizer
+from trainables.ssl.ema import make_teacher
+from trainables.step import StepRunner, evaluate
+from trainables.validation import ConfigError
+
+CHECKPOINT = "checkpoint.pt"
+# Fields that may change between a run and its resume: they do not change the arithmetic.
+RESUME_FREE = ("train.device", "train.compile", "train.threads", "train.eval_batch_size", "data.workers",
+               "data.root", "data.download")
+
+Report = Callable[[int, dict[str, float], Path], None]
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device must name an available device, got {setting!r} (no CUDA here)")
+    return device
+
+
+def stream_seed(seed: int, epoch: int, stream: int) -> int:
+    """A distinct 63-bit seed per (run seed, epoch, stream)."""
+    return (seed * 1_000_003 + epoch * 7_919 + stream * 104_729) % (2**63 - 1)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    fa, fb = _flat(a), _flat(b)
+    keys = sorted(set(fa) | set(fb))
+    return [k for k in keys if fa.get(k) != fb.get(k) and k not in RESUME_FREE]
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: float) -> str:
+    parts = [f"epoch {epoch}/{epochs}", f"sup {m[M.LOSS_SUP]:.3f}"]
+    if M.LOSS_CONS in m:
+        parts.append(f"cons {m[M.LOSS_CONS]:.4f} conf {m[M.CONF_RATE]:.2f}")
+    if M.LOSS_MIX in m:
+        parts.append(f"mix {m[M.LOSS_MIX]:.4f} conf {m[M.MIX_CONF_RATE]:.2f}")
+    parts.append(f"lr {m[M.LR]:.4f}")
+    parts.append(f"{split} err teacher {100 * m[M.eval_key(split, 'error', 'teacher')]:.2f}% "
+                 f"student {100 * m[M.eval_key(split, 'error', 'student')]:.2f}%")
+    parts.append(f"{m[M.IMAGES_PER_S]:.0f} img/s")
+    parts.append(f"ETA {_fmt_time(eta)}")
+    return " | ".join(parts)
+
+
+def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
+        log: Callable[[str], None] = print, restart: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
+
+    Raises:
+        ConfigError: bad config, bad data split, or a checkpoint made with a different config.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / CHECKPOINT
+    resume = None
+    if ckpt_path.exists() and not restart:
+        resume = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        diff = config_differences(resume["config"], cfg.to_dict())
+        if diff:
+            raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
+                              "use another output folder, or pass --restart to start over")
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+
+    data = data or prepare_data(cfg.data, cfg.labeled_seed, device)
+    log(f"data: {data.describe()}")
+    torch.manual_seed(cfg.seed)
+    student = create_model(cfg.model, data.num_classes).to(device)
+    if cfg.train.channels_last and device.type == "cuda":
+        student = student.to(memory_format=torch.channels_last)
+    teacher = make_teacher(student)
+    optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
+    base_lr = optimizer.param_groups[0]["lr"]
+    runner = StepRunner(cfg, student, teacher, optimizer, device, bf16)
+    steps_per_epoch = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
+    augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
+
+    history: list[dict[str, float]] = []
+    start_epoch = 0
+    if resume is not None:
+        student.load_state_dict(resume["student"])
+        teacher.load_state_dict(resume["teacher"])
+        optimizer.load_state_dict(resume["optimizer"])
+        history, start_epoch = resume["history"], resume["epoch"]
+        log(f"resumed from {ckpt_path} at epoch {start_epoch}")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
+        f"device {device}{' bf16' if bf16 else ''}, {cfg.train.epochs} epochs x {steps_per_epoch} steps")
+
+    split = cfg.data.eval_split
+    fmt = runner.memory_format
+    t_run = time.monotonic()
+    epochs_done_here = 0
+    for epoch in range(start_epoch, cfg.train.epochs):
+        torch.manual_seed(stream_seed(cfg.seed, epoch, 3))
+        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, epoch, 2))
+        runner.reset_metrics()
+        t0, t_print = time.monotonic(), time.monotonic()
+        batches = data.train_batches(epoch, cfg.seed, cfg.train.batch_size, steps_per_epoch, augment_twice)
+        for i, batch in enumerate(batches):
+            step = epoch * steps_per_epoch + i
+            factor = lr_factor(step, steps_per_epoch, cfg.optim)
+            alpha = cfg.teacher.alpha
+            if cfg.teacher.anneal:
+                alpha = 1.0 - (1.0 - alpha) * lr_factor(step, steps_per_epoch, cfg.optim, warmup=False)
+            runner.step(batch, gen, base_lr * factor, alpha)
+            if time.monotonic() - t_print > 15:
+                t_print = time.monotonic()
+                rate = (i + 1) / (t_print - t0)
+                log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
+                    f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
+        metrics = runner.read_metrics()
+        train_time = time.monotonic() - t0
+        for name, model in (("teacher", teacher), ("student", student)):
+            err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
+            metrics[M.eval_key(split, "error", name)] = err
+            metrics[M.eval_key(split, "loss", name)] = loss
+        metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps_per_epoch - 1, steps_per_epoch, cfg.optim)
+        metrics[M.STEPS_PER_S] = steps_per_epoch / train_time
+        metrics[M.IMAGES_PER_S] = steps_per_epoch * cfg.train.batch_size * (2 if cfg.method != "supervised" else 1) / train_time
+        metrics[M.EPOCH] = epoch + 1
+        metrics[M.STEP] = (epoch + 1) * steps_per_epoch
+        history.append(metrics)
+        _save_atomic({
+            "config": cfg.to_dict(), "epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch,
+            "student": student.state_dict(), "teacher": teacher.state_dict(),
+            "optimizer": optimizer.state_dict(), "history": history, "split_hashes": data.split_hashes,
+            "rng": {"torch": torch.get_rng_state(), "mask_generator": gen.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
+        }, ckpt_path)
+        with open(out / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
+        epochs_done_here += 1
+        per_epoch = (time.monotonic() - t_run) / epochs_done_here
+        log(_summary(epoch + 1, cfg.train.epochs, metrics, split, per_epoch * (cfg.train.epochs - epoch - 1)))
+        if report is not None:
+            report(epoch + 1, metrics, ckpt_path)
+
+    final = dict(history[-1]) if history else {}
+    result = {"method": cfg.method, "model": cfg.model, "dataset": cfg.data.dataset, "seed": cfg.seed,
+              "n_labeled": data.sizes.get("labeled"), "split_hashes": data.split_hashes, "final": final}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    return result

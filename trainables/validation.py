@@ -1,0 +1,131 @@
+"""Strict conversion of plain data into typed dataclasses, with errors that name the field.
+
+Two error templates, used everywhere: "<field> must <rule>, got <value>" for values and
+"Unknown <what> 'x'. Known: a, b. Did you mean 'y'?" for names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the field."""
+
+
+def check(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must {rule}, got {value!r}")
+
+
+def unknown_name(what: str, name: str, known: Iterable[str]) -> ConfigError:
+    known = sorted(known)
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"Unknown {what} '{name}'. Known: {', '.join(known)}.{hint}")
+
+
+def _convert(value: Any, tp: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            check(type(None) in args, name, "not be null", value)
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], name)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return build_dataclass(tp, value, prefix=f"{name}.")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        check(isinstance(value, (list, tuple)), name, "be a list", value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
+        check(len(value) == len(args), name, f"have {len(args)} items", value)
+        return tuple(_convert(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        check(isinstance(value, bool), name, "be true or false", value)
+        return value
+    if tp is int:
+        check(isinstance(value, int) and not isinstance(value, bool), name, "be an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "be a number", value)
+        return float(value)
+    if tp is str:
+        check(isinstance(value, str), name, "be a string", value)
+        return value
+    raise TypeError(f"unsupported field type {tp!r} for {name}")
+
+
+def build_dataclass(cls: type, d: Any, prefix: str = "", skip: Iterable[str] = (),
+                    extra: dict[str, Any] | None = None) -> Any:
+    """Instantiate dataclass ``cls`` from mapping ``d``; every key must be a field."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip and f.init]
+    kwargs = dict(extra or {})
+    for key, value in d.items():
+        if key not in names:
+            err = unknown_name(f"key in {where}", key, names)
+            raise ConfigError(str(err))
+        kwargs[key] = _convert(value, hints[key], f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def dataclass_to_dict(obj: Any, skip: Iterable[str] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        out[f.name] = _plain(getattr(obj, f.name))
+    return out
+
+
+def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v):
+        return dataclass_to_dict(v)
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in a nested dict, creating mappings on the way."""
+    parts = dotted.split(".")
+    node = d
+    for p in parts[:-1]:
+        if node.get(p) is None:
+            node[p] = {}
+        check(isinstance(node[p], dict), ".".join(parts[: parts.index(p) + 1]), "be a mapping to set "
+              f"'{dotted}'", node[p])
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
