@@ -1,0 +1,144 @@
+"""``run_search(BASE, SPACE, SEARCH)``: Optuna proposes, ASHA stops, Ray Tune runs, MLflow records.
+
+Everything that can be wrong with a search (space, base config, test-split use, resources) is
+checked on the driver before Ray starts (``prepare_search``). Running the same command again
+after the driver died restores the experiment (``Tuner.restore``) and its MLflow parent run.
+
+Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED, with its per-epoch
+teacher errors as intermediate values, never as COMPLETE. TPE then ranks it below every trial
+that got further, instead of treating a truncated curve as a full-budget result.
+
+Grace period rule: ``max(ceil(epochs / 4), ceil(10 * H))`` epochs, where H = 1 / ((1 - alpha_max)
+* steps_per_epoch) is the EMA teacher's time constant in epochs for the largest alpha the space
+can draw; before that the teacher mostly remembers its random initialisation.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import optuna
+import ray
+from ray import tune
+from ray.tune.search.optuna import OptunaSearch
+
+from trainables import intervals, tracking
+from trainables import metrics as M
+from trainables.search_settings import SearchSettings, parse_args, prepare_search
+from trainables.tune_trainable import META, train_trial, trial_resources
+
+__all__ = ["SearchSettings", "run_search"]
+
+
+class BudgetAwareOptunaSearch(OptunaSearch):
+    """OptunaSearch over a compiled space that decodes intervals and tells stopped trials as PRUNED."""
+
+    def __init__(self, space: dict[str, Any], full_epochs: int, **kw: Any):
+        self._cow_space, self._full_epochs = space, full_epochs
+        dists = {name: (optuna.distributions.FloatDistribution(spec[1], spec[2], log=spec[3]) if spec[0] == "float"
+                        else optuna.distributions.CategoricalDistribution(spec[1]))
+                 for name, spec in intervals.space_params(space).items()}
+        super().__init__(dists, **kw)
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if trial_id not in self._ot_trials:
+            self._ot_trials[trial_id] = self._ot_study.ask(fixed_distributions=self._space)
+        return intervals.decode(self._cow_space, self._ot_trials[trial_id].params)
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id not in self._completed_trials and M.EPOCH in result:
+            self._ot_trials[trial_id].report(result[self.metric], int(result[M.EPOCH]))
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if result and not error and result.get(M.EPOCH, 0) < self._full_epochs and trial_id not in self._completed_trials:
+            self._ot_study.tell(self._ot_trials[trial_id], state=optuna.trial.TrialState.PRUNED)
+            self._completed_trials.add(trial_id)
+            return
+        super().on_trial_complete(trial_id, result, error)
+
+
+class FinishChildRuns(tune.Callback):
+    """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training."""
+
+    def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
+        self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
+
+    def _finish(self, trial: Any, status: str) -> None:
+        run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
+        last = int(trial.last_result.get(M.EPOCH, 0))
+        if run_id:
+            tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
+                                                           "cowtune.stopped_early": str(last < self.full_epochs)})
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._finish(trial, "FINISHED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._finish(trial, "FAILED")
+
+
+def _trial_dirname(trial: Any) -> str:
+    return f"{trial.trainable_name}_{trial.trial_id}"   # not the config: its constants make very long paths
+
+
+def init_ray() -> None:
+    """Join RAY_ADDRESS when set (a cluster, `ray job submit`), else start Ray locally on loopback."""
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+
+
+def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
+    args = parse_args(settings, argv)
+    plan = prepare_search(base, space, settings, args)      # raises ConfigError before Ray starts
+    uri = tracking.resolve_tracking_uri()
+    experiment_id = tracking.ensure_experiment(uri, plan.name)
+    exp_path = str(Path(plan.storage) / plan.name) if "://" not in plan.storage else f"{plan.storage}/{plan.name}"
+    parent = tracking.find_parent(uri, experiment_id, exp_path)
+    init_ray()
+    restoring = tune.Tuner.can_restore(exp_path)
+    if restoring and parent is not None and parent.data.tags.get("cowtune.fingerprint") != plan.fingerprint:
+        raise SystemExit(f"search {exp_path} exists with other settings; pass --name NEW to start another search")
+    parent_id = tracking.start_parent(uri, experiment_id, plan.name, {**plan.tags, "cowtune.experiment_path": exp_path},
+                                      parent.info.run_id if (restoring and parent is not None) else None)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    resources = trial_resources(plan.base["model"], args.cpus_per_trial, gpus)
+    meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
+            "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}
+    trainable = tune.with_resources(train_trial, resources)
+    print(f"search {plan.name}: {plan.num_samples} trials x {plan.epochs} epochs, {resources} per trial, "
+          f"grace {plan.grace} epochs; MLflow {uri} (parent run {parent_id}); Ray results {exp_path}"
+          + (" [resuming]" if restoring else ""), flush=True)
+    if restoring:
+        tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        searcher = BudgetAwareOptunaSearch(space, plan.epochs, metric=settings.metric, mode=settings.mode,
+                                           points_to_evaluate=plan.points, sampler=optuna.samplers.TPESampler(seed=plan.seed))
+        scheduler = tune.schedulers.ASHAScheduler(time_attr=M.EPOCH, metric=settings.metric, mode=settings.mode,
+                                                  max_t=plan.epochs, grace_period=plan.grace,
+                                                  reduction_factor=settings.reduction_factor)
+        tuner = tune.Tuner(
+            trainable, param_space={**plan.base, META: meta},
+            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=plan.num_samples,
+                                        max_concurrent_trials=args.concurrency, reuse_actors=True,
+                                        trial_dirname_creator=_trial_dirname),
+            run_config=tune.RunConfig(name=plan.name, storage_path=plan.storage, verbose=1,
+                                      failure_config=tune.FailureConfig(max_failures=settings.max_failures),
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs)]))
+    results = tuner.fit()
+    best = results.get_best_result(metric=settings.metric, mode=settings.mode, scope="last")
+    failed = sum(1 for r in results if r.error)
+    tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
+                        {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else ""})
+    if best is not None and best.metrics:
+        print(f"best trial {best.metrics.get('trial_id')}: {settings.metric} = {best.metrics.get(settings.metric):.4f} "
+              f"at epoch {best.metrics.get(M.EPOCH)}")
+    print(f"done: {len(results)} trials ({failed} failed). Compare them with "
+          + ("`mlflow ui --backend-store-uri sqlite:///mlflow.db`" if tracking.is_embedded(uri) else f"the MLflow UI at {uri}")
+          + f"; promote the best with `cowtune promote --search {plan.name}`", flush=True)
+    return results

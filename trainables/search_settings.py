@@ -1,0 +1,144 @@
+"""Search settings, the search scripts' command line, and every check that runs before Ray starts.
+
+Plain Python (no Ray, no MLflow): ``prepare_search`` resolves the base config (preset, --data,
+--epochs, --set, --smoke-test), refuses any search that could read the test split, encodes the
+paper's settings as the first point, and builds a config from a spread of space samples so a bad
+space fails on the driver in a second instead of as a failed trial on a worker.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainables import intervals
+from trainables import metrics as M
+from trainables.config import TrainConfig
+from trainables.presets import apply_overrides, read_config_file
+from trainables.validation import ConfigError, check
+
+METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --preset supplies the rest
+SMOKE = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50, "eval_split": "val"},
+         "train": {"epochs": 2, "steps_per_epoch": 3, "batch_size": 16, "eval_batch_size": 256}}
+TRAIN_SIZES = {"cifar10": 50000, "cifar100": 50000, "svhn": 73257}   # for the grace rule when steps are implicit
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSettings:
+    name: str
+    metric: str = M.VAL_ERROR_TEACHER
+    mode: str = "min"
+    num_samples: int = 32
+    seed: int = 0                      # TPE sampler seed
+    reduction_factor: int = 3
+    grace_period: int | None = None    # epochs; None: the rule in trainables/search.py
+    max_failures: int = 2
+    validation_samples: int = 16       # space samples turned into configs on the driver before Ray
+
+    def __post_init__(self) -> None:
+        check(self.mode in ("min", "max"), "SearchSettings.mode", "be 'min' or 'max'", self.mode)
+        check(self.num_samples >= 1, "SearchSettings.num_samples", "be >= 1", self.num_samples)
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    base: dict[str, Any]
+    points: list[dict[str, Any]]
+    num_samples: int
+    epochs: int
+    grace: int
+    seed: int
+    storage: str
+    fingerprint: str
+    tags: dict[str, str]
+
+
+def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=f"search {settings.name}")
+    p.add_argument("--trials", type=int, help=f"number of trials (default {settings.num_samples})")
+    p.add_argument("--epochs", type=int, help="epochs per trial (the full budget; ASHA's max_t)")
+    p.add_argument("--data", help="dataset folder (sets data.root)")
+    p.add_argument("--preset", help="take everything but the method from a trainer preset, e.g. 'fast'")
+    p.add_argument("--smoke-test", action="store_true", help="tiny data, model, epochs and trials (CI)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base config field")
+    p.add_argument("--name", help=f"search name (default {settings.name}[-preset])")
+    p.add_argument("--storage", help="Ray results folder or URI (default $COWTUNE_STORAGE or ./ray_results)")
+    p.add_argument("--concurrency", type=int, default=None, help="max trials at once (default: as resources allow)")
+    p.add_argument("--cpus-per-trial", type=int, default=1)
+    p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")
+    return p.parse_args(argv)
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _sample(spec: tuple, rng: random.Random) -> Any:
+    if spec[0] == "choice":
+        return rng.choice(spec[1])
+    lo, hi, log = spec[1], spec[2], spec[3]
+    return math.exp(rng.uniform(math.log(lo), math.log(hi))) if log else rng.uniform(lo, hi)
+
+
+def grace_rule(base: TrainConfig, space: dict[str, Any], epochs: int) -> int:
+    alpha = dict(intervals.leaves(space)).get("teacher.alpha")
+    alpha_max = alpha.high if isinstance(alpha, intervals.Float) else base.teacher.alpha
+    steps = base.train.steps_per_epoch or max(1, (TRAIN_SIZES.get(base.data.dataset, 25600) - base.data.n_val)
+                                             // base.train.batch_size)
+    horizon = 1.0 / max(1e-9, (1.0 - alpha_max) * steps)
+    return min(epochs, max(1, math.ceil(epochs / 4), math.ceil(10 * horizon)))
+
+
+def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, args: argparse.Namespace) -> Plan:
+    """Resolve and check everything; raises ConfigError naming the problem."""
+    d = base.to_dict() if isinstance(base, TrainConfig) else copy.deepcopy(base)
+    name = settings.name
+    if args.preset:
+        d = {**read_config_file(args.preset), **{k: d.get(k) for k in METHOD_KEYS}}
+        name += f"-{args.preset}"
+    if args.smoke_test:
+        d, name = merge(d, SMOKE), name + "-smoke"
+    if args.data:
+        d = merge(d, {"data": {"root": args.data}})
+    if args.epochs:
+        d = merge(d, {"train": {"epochs": args.epochs}})
+    d = apply_overrides(d, args.set)
+    cfg = TrainConfig.from_dict(d)
+    check(cfg.data.eval_split == "val" and cfg.data.n_val > 0, "data.eval_split",
+          "be 'val' with data.n_val > 0 in a search (a search never reads the test split)", cfg.data.eval_split)
+    d = cfg.to_dict()
+    points = [intervals.encode(space, d)]            # the paper's settings are evaluated first
+    rng = random.Random(settings.seed)
+    specs = intervals.space_params(space)
+    for i in range(settings.validation_samples):
+        values = {k: _sample(s, rng) for k, s in specs.items()}
+        try:
+            sample = TrainConfig.from_dict(merge(d, intervals.decode(space, values)))
+        except ConfigError as exc:
+            raise ConfigError(f"search space sample {i} {values} makes an invalid config: {exc}") from None
+        check(sample.data.eval_split == "val", "search space", "never set data.eval_split to 'test'", values)
+    trials = args.trials or (2 if args.smoke_test else settings.num_samples)
+    check(trials >= 1, "--trials", "be >= 1", trials)
+    epochs = cfg.train.epochs
+    grace = settings.grace_period or grace_rule(cfg, space, epochs)
+    storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
+    storage = storage if "://" in storage else str(Path(storage).resolve())
+    seed = settings.seed if args.seed is None else args.seed
+    name = args.name or name
+    key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace], sort_keys=True)
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    tags = {"cowtune.search": name, "cowtune.fingerprint": fingerprint, "dataset": cfg.data.dataset,
+            "n_labeled": str(cfg.data.n_labeled), "method": cfg.method, "model": cfg.model,
+            "cowtune.trials": str(trials), "cowtune.epochs": str(epochs)}
+    return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags)

@@ -1,0 +1,173 @@
+"""MLflow glue: one parent run per search, one child run per trial, re-attached after a restore.
+
+The only module that imports ``mlflow``. Everything goes through ``MlflowClient`` with explicit
+run ids (no fluent "active run"), so Ray worker processes never share hidden global state and an
+``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713).
+
+Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with
+artifacts in ``<cwd>/mlartifacts``; open it with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from trainables.validation import flatten
+
+PARENT_TAG = "mlflow.parentRunId"
+TRIAL_TAG = "ray.trial_id"
+RUN_ID_FILE = "mlflow_run_id.txt"      # kept in the trial checkpoint folder
+MAX_PARAM_CHARS = 6000
+
+
+def resolve_tracking_uri(workdir: str | Path | None = None) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    return uri or f"sqlite:///{Path(workdir or os.getcwd()).resolve() / 'mlflow.db'}"
+
+
+def is_embedded(uri: str) -> bool:
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) -> str:
+    """Get or create the experiment once, on the driver, before any trial starts (no creation race)."""
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if is_embedded(uri):
+        location = (Path(workdir or os.getcwd()).resolve() / "mlartifacts" / name).as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:   # another driver created it in between
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def start_parent(uri: str, experiment_id: str, name: str, tags: dict[str, str], run_id: str | None = None) -> str:
+    """A new search parent run, or the given one re-opened after a restore."""
+    client = MlflowClient(uri)
+    if run_id:
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+    client = MlflowClient(uri)
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, v)
+    client.set_terminated(run_id, status)
+
+
+def child_runs(uri: str, experiment_id: str, parent_id: str) -> list[Any]:
+    return MlflowClient(uri).search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
+                                         max_results=5000)
+
+
+def find_trial_run(uri: str, experiment_id: str, parent_id: str, trial_id: str) -> str | None:
+    runs = [r for r in child_runs(uri, experiment_id, parent_id) if r.data.tags.get(TRIAL_TAG) == trial_id]
+    return runs[0].info.run_id if runs else None
+
+
+class TrialRun:
+    """The child run of one trial. Re-attaches through the run id kept in the checkpoint folder, or
+    through the trial id tag (a trial restarted before its first checkpoint); never logs an epoch twice."""
+
+    def __init__(self, uri: str, experiment_id: str, parent_id: str, trial_id: str, trial_name: str,
+                 out_dir: Path, config: dict[str, Any], tags: dict[str, str]):
+        self.client = MlflowClient(uri)
+        id_file = out_dir / RUN_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        run_id = run_id or find_trial_run(uri, experiment_id, parent_id, trial_id)
+        if run_id is None:
+            run = self.client.create_run(experiment_id, run_name=trial_name,
+                                         tags={PARENT_TAG: parent_id, TRIAL_TAG: trial_id, **tags})
+            run_id = run.info.run_id
+            params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(run_id, params=params[i:i + 100])
+            self.created = True
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+            self.created = False
+        id_file.write_text(run_id)
+        self.run_id = run_id
+        self.logged = {int(m.step) for m in self.client.get_metric_history(run_id, "epoch")}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_epoch(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Log one epoch's metrics at step=epoch; False (and nothing logged) if it is already there."""
+        if epoch in self.logged:
+            return False
+        ts = int(1000 * time.time())
+        batch = [Metric(k, float(v), ts, epoch) for k, v in metrics.items() if isinstance(v, (int, float))]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+        self.logged.add(epoch)
+        return True
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)
+
+
+def learning_curve_png(history: list[dict[str, float]], path: Path, title: str) -> Path:
+    """Every val/* and train/loss_* metric against the epoch, as a PNG (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_err, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.5))
+    epochs = [h["epoch"] for h in history]
+    for key in sorted(history[-1]):
+        ax = ax_err if key.startswith(("val/error", "test/error")) else ax_loss if "loss" in key else None
+        if ax is not None:
+            ax.plot(epochs, [h.get(key, float("nan")) for h in history], marker=".", label=key)
+    for ax, label in ((ax_err, "error"), (ax_loss, "loss")):
+        ax.set_xlabel("epoch"), ax.set_ylabel(label), ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def register_model(uri: str, run_id: str, name: str, alias: str, artifact_path: str) -> str:
+    """Register ``runs:/<run_id>/<artifact_path>`` as a new version of ``name`` and point ``alias`` at it."""
+    client = MlflowClient(uri)
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass   # already registered
+    version = client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id)
+    client.set_registered_model_alias(name, alias, version.version)
+    return version.version
+
+
+def find_parent(uri: str, experiment_id: str, experiment_path: str) -> Any | None:
+    """The newest search parent run recorded for this Ray experiment folder, if any."""
+    runs = MlflowClient(uri).search_runs([experiment_id], filter_string=f"tags.`cowtune.experiment_path` = '{experiment_path}'",
+                                         order_by=["attributes.start_time DESC"], max_results=10)
+    runs = [r for r in runs if PARENT_TAG not in r.data.tags]
+    return runs[0] if runs else None

@@ -1,0 +1,133 @@
+"""The Ray Tune function trainable: one trial = one ``trainer.fit`` run, reported every epoch.
+
+``config`` is a full ``TrainConfig`` dict plus a ``"_cowtune"`` entry set by the driver (tracking
+URI, experiment and parent run ids, mode, resources). Per epoch the trainable logs the metrics to
+the trial's MLflow child run (step = epoch, skipping epochs already there), then calls
+``ray.tune.report(metrics, checkpoint=...)`` with the trial folder, which holds ``checkpoint.pt``
+and the MLflow run id. On a retry or a restore the latest checkpoint is copied back into a fresh
+folder and ``fit`` resumes from it, so the trial continues its own MLflow run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from ray import tune
+
+from trainables import tracking
+from trainables.config import TrainConfig
+from trainables.data import TrainData, prepare_data
+from trainables.trainer import CHECKPOINT, fit, resolve_device
+from trainables.validation import ConfigError
+
+# GPU share per trial by model, sized so N packed trials fit one 80 GB card with room to spare.
+GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
+                "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
+META = "_cowtune"
+
+_DATA: dict[str, TrainData] = {}   # per worker process: loaded once, shared by the trials it runs
+DATA_LOADS = 0
+
+
+def trial_resources(model: str, cpus: int, gpus_in_cluster: float) -> dict[str, float]:
+    """{"cpu": cpus, "gpu": share of the model} when the cluster has GPUs, else CPU only."""
+    if gpus_in_cluster <= 0:
+        return {"cpu": cpus}
+    if model not in GPU_FRACTION:
+        raise ConfigError(f"model '{model}' has no entry in GPU_FRACTION; known: {', '.join(sorted(GPU_FRACTION))}")
+    return {"cpu": cpus, "gpu": GPU_FRACTION[model]}
+
+
+class HoldoutOnly:
+    """A TrainData that refuses the test split: what every search trial trains with."""
+
+    def __init__(self, data: TrainData):
+        self._data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    def eval_batches(self, split: str, batch_size: int):
+        if split != "val":
+            raise ConfigError(f"data.eval_split must be 'val' in a search (the test split is off limits), got {split!r}")
+        return self._data.eval_batches(split, batch_size)
+
+
+def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
+    global DATA_LOADS
+    key = json.dumps([cfg.to_dict()["data"], cfg.labeled_seed, str(device)], sort_keys=True)
+    if key not in _DATA:
+        _DATA.clear()     # one dataset per worker at a time keeps memory bounded
+        _DATA[key] = prepare_data(cfg.data, cfg.labeled_seed, device)
+        DATA_LOADS += 1
+    return _DATA[key]
+
+
+def _gallery(cfg: TrainConfig, size: tuple[int, int], path: Path) -> Path | None:
+    from trainables.gallery import save_gallery
+    from trainables.ssl.masks import box_masks, cow_masks
+
+    reg = next((p.regularizer for p in (cfg.mix, cfg.perturb) if p is not None), None)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    if hasattr(reg, "sigma_range"):
+        masks = cow_masks(16, size, reg.sigma_range, reg.prop_range, gen)
+        title = f"{reg.name} sigma {reg.sigma_range[0]:.1f}:{reg.sigma_range[1]:.1f} p {reg.prop_range[0]:.2f}:{reg.prop_range[1]:.2f}"
+    elif hasattr(reg, "scale_mode"):
+        masks, title = box_masks(16, size, reg.scale_mode, reg.scale, reg.random_aspect, gen), f"{reg.name} boxes"
+    else:
+        return None
+    return save_gallery(masks[:, 0], path, title=title)
+
+
+def train_trial(config: dict[str, Any]) -> None:
+    meta = config[META]
+    cfg = TrainConfig.from_dict({k: v for k, v in config.items() if k != META})
+    search = meta["mode"] == "search"
+    if search and cfg.data.eval_split != "val":
+        raise ConfigError(f"data.eval_split must be 'val' in a search, got {cfg.data.eval_split!r}")
+    ctx = tune.get_context()
+    trial_id, trial_name = ctx.get_trial_id(), ctx.get_trial_name()
+    out = Path(tempfile.mkdtemp(prefix=f"cowtune-{trial_id}-"))
+    checkpoint = tune.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            shutil.copytree(d, out, dirs_exist_ok=True)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and meta.get("gpu", 0) and meta["gpu"] < 1:
+        torch.cuda.set_per_process_memory_fraction(meta["gpu"], device)   # packed trials cannot starve each other
+    if device.type == "cpu" and cfg.train.threads is None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=meta.get("cpus", 1)))
+    loads_before = DATA_LOADS
+    data = cached_data(cfg, device)
+    data = HoldoutOnly(data) if search else data
+    run = tracking.TrialRun(meta["uri"], meta["experiment_id"], meta["parent_run_id"], trial_id, trial_name, out,
+                            cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled),
+                                            "method": cfg.method, "model": cfg.model, "seed": str(cfg.seed),
+                                            "mlflow.source.git.commit": meta.get("git_sha", "unknown"),
+                                            **{f"split.{k}": v for k, v in data.split_hashes.items()}})
+    run.set_tags({"worker.pid": os.getpid(), "worker.data_cache_hit": DATA_LOADS == loads_before})
+    if run.created:
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        run.log_artifact(out / "config.yaml")
+        gallery = _gallery(cfg, data.image_shape[1:], out / "masks.png")
+        if gallery:
+            run.log_artifact(gallery)
+    history: list[dict[str, float]] = []
+
+    def report(epoch: int, metrics: dict[str, float], ckpt_path: Path) -> None:
+        run.log_epoch(epoch, metrics)
+        history[:] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        run.log_artifact(tracking.learning_curve_png(history, out / "learning_curve.png", trial_name))
+        tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
+
+    fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True))
+    run.log_artifact(out / CHECKPOINT, "checkpoint")   # what `cowtune promote` registers
+    run.finish("FINISHED")
+    shutil.rmtree(out, ignore_errors=True)
