@@ -15,6 +15,9 @@ from trainables.ssl.regularizers import Regularizer, regularizer_from_dict, regu
 from trainables.validation import ConfigError, build_dataclass, check, dataclass_to_dict
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     dataset: str = "cifar10"          # registry name: cifar10 | cifar100 | svhn | imagefolder | digits
@@ -120,6 +123,7 @@ class TrainSettings:
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
     compile: bool = False             # torch.compile the forward passes
+    compile_mode: str = "reduce-overhead"  # torch.compile mode; "reduce-overhead" replays CUDA graphs
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 
@@ -133,6 +137,8 @@ class TrainSettings:
               "train.device", "be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         check(self.precision in ("auto", "fp32", "bf16"), "train.precision", "be 'auto', 'fp32' or 'bf16'",
               self.precision)
+        check(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"be one of {COMPILE_MODES}",
+              self.compile_mode)
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
 
 

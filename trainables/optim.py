@@ -23,7 +23,9 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch
             (decay if is_kernel else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.l2}, {"params": no_decay, "weight_decay": 0.0}]
     base = cfg.lr_per_256 * batch_size / 256
-    return torch.optim.SGD(groups, lr=base, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+    fused = next(model.parameters()).is_cuda  # one kernel for the whole update instead of a few per group
+    return torch.optim.SGD(groups, lr=base, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                           fused=fused or None)
 
 
 def lr_factor(step: int, steps_per_epoch: int, cfg: OptimConfig, warmup: bool = True) -> float:

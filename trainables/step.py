@@ -45,9 +45,11 @@ class StepRunner:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
-        forward = torch.compile(student) if cfg.train.compile else student
-        teacher_forward = torch.compile(teacher) if cfg.train.compile else teacher
-        self.student_forward, self.teacher_forward = forward, teacher_forward
+        compiled = cfg.train.compile
+        mode = cfg.train.compile_mode if device.type == "cuda" else "default"
+        self.graphs = compiled and "cudagraphs" not in mode and mode in ("reduce-overhead", "max-autotune")
+        self.student_forward = torch.compile(student, mode=mode) if compiled else student
+        self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -114,6 +116,8 @@ class StepRunner:
         """One optimiser step and one teacher update."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # outputs of the last step's graphs may be reused
         loss, stats = self.losses(batch, gen)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

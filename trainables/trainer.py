@@ -37,6 +37,10 @@ RESUME_FREE = ("train.device", "train.compile", "train.threads", "train.eval_bat
 Report = Callable[[int, dict[str, float], Path], None]
 
 
+def _print(line: str) -> None:
+    print(line, flush=True)  # progress must show up when stdout is a file or a pipe
+
+
 def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +96,7 @@ def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: floa
 
 
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
-        log: Callable[[str], None] = print, restart: bool = False) -> dict[str, Any]:
+        log: Callable[[str], None] = _print, restart: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
 
     Raises:

@@ -1,0 +1,63 @@
+"""Profile the trainer's step on the GPU: where the time goes, GPU busy time vs wall time.
+
+    python benchmarks/profile_step.py --model wrn28_2 --method cowmix [--no-compile] [--trace out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import load_images, make_config, make_runner  # noqa: E402
+
+from trainables.data import DeviceData, make_splits  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="wrn28_2")
+    p.add_argument("--method", default="cowmix")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--trace", help="write a Chrome trace here")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    raw = load_images(None, 20000)
+    splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
+    cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode)
+    runner = make_runner(cfg, 10, device)
+    data = DeviceData(raw, splits, True, 4, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))
+    for _ in range(30):
+        runner.step(next(it), gen, 0.05, 0.97)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            runner.step(next(it), gen, 0.05, 0.97)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
+    print(f"{args.model} {args.method} compile={not args.no_compile}: wall {wall * 1e3:.2f} ms/step "
+          f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
+          f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
+    print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
