@@ -219,15 +219,15 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for method in args.methods.split(","):
             rows.append(bench_one(model, method, raw, splits, args, device))
+            if args.json:  # written after every row, so an interrupted run keeps what it measured
+                Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__,
+                                                       "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
             r = rows[-1]
             print(f"  {model} {method}: {r['fast_steps_per_s']:.1f} steps/s"
                   + (f" (conventional {r['conventional_steps_per_s']:.1f})" if "conventional_steps_per_s" in r else ""),
                   flush=True)
     print()
     print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__,
-                                               "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
     return 0
 
 
