@@ -117,8 +117,7 @@ def conventional_batches(raw: RawDataset, splits, batch: int, steps: int, augmen
     def loader(idx):
         sampler = torch.utils.data.RandomSampler(Images(idx), replacement=True, num_samples=batch * steps)
         return torch.utils.data.DataLoader(Images(idx), batch_size=batch, sampler=sampler, num_workers=workers,
-                                           pin_memory=device.type == "cuda", drop_last=True,
-                                           persistent_workers=workers > 0)
+                                           pin_memory=device.type == "cuda", drop_last=True)
 
     for sup, unsup in zip(loader(splits.labeled), loader(splits.unlabeled)):
         x_sup, y = sup[0].to(device, non_blocking=True), sup[-1].to(device, non_blocking=True)
@@ -147,6 +146,8 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sec = time_steps(runner, batches, gen, args.warmup, args.steps, device)
+        if not fast:
+            batches.close()  # stop the DataLoader workers before the next fast measurement
         row[f"{label}_steps_per_s"] = 1.0 / sec
         row[f"{label}_images_per_s"] = images_per_step / sec
         if device.type == "cuda":

@@ -122,7 +122,7 @@ class TrainSettings:
     device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
-    compile: bool = False             # torch.compile the forward passes
+    compile: bool | None = None       # torch.compile the forward passes; None: on for cuda, off for cpu
     compile_mode: str = "reduce-overhead"  # torch.compile mode; "reduce-overhead" replays CUDA graphs
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default

@@ -45,7 +45,7 @@ class StepRunner:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
-        compiled = cfg.train.compile
+        compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
         mode = cfg.train.compile_mode if device.type == "cuda" else "default"
         self.graphs = compiled and "cudagraphs" not in mode and mode in ("reduce-overhead", "max-autotune")
         self.student_forward = torch.compile(student, mode=mode) if compiled else student

@@ -1,0 +1,22 @@
+"""The throughput benchmark runs end to end on CPU with a tiny model (no timing assertions)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_throughput_tiny_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cpu", "--tiny",
+                        "--methods", "supervised,cowmix", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "steps/s" in r.stdout and "speed-up" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["method"] for row in rows] == ["supervised", "cowmix"]
+    for row in rows:
+        assert row["fast_steps_per_s"] > 0 and row["conventional_steps_per_s"] > 0
+        assert row["gflop_per_step"] > 0
+    assert rows[1]["gflop_per_step"] > rows[0]["gflop_per_step"]  # CowMix adds teacher and mixed passes
