@@ -47,6 +47,7 @@ class StepRunner:
             else torch.contiguous_format
         compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
         mode = cfg.train.compile_mode if device.type == "cuda" else "default"
+        self.compiled = compiled
         self.graphs = compiled and "cudagraphs" not in mode and mode in ("reduce-overhead", "max-autotune")
         self.student_forward = torch.compile(student, mode=mode) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher

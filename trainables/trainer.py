@@ -144,7 +144,8 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
         log(f"resumed from {ckpt_path} at epoch {start_epoch}")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
-        f"device {device}{' bf16' if bf16 else ''}, {cfg.train.epochs} epochs x {steps_per_epoch} steps")
+        f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
+        f"{' + CUDA graphs' if runner.graphs else ''}, {cfg.train.epochs} epochs x {steps_per_epoch} steps")
 
     split = cfg.data.eval_split
     fmt = runner.memory_format
