@@ -3,6 +3,7 @@
     python benchmarks/throughput.py                       # every model x method on the GPU
     python benchmarks/throughput.py --data ../shared/datasets/cifar10-jpeg/train.zip
     python benchmarks/throughput.py --device cpu --tiny   # same code, tiny model, < 1 minute
+    python benchmarks/throughput.py --packing 1,2,4,8 --data DIR --steps 100   # trials per GPU under Ray Tune
 
 For each model and method it times the full step as the trainer runs it (augmentation on the
 device, masks, student and teacher passes, optimiser, EMA, metrics) at batch B labeled + B
@@ -188,6 +189,29 @@ def print_table(rows: list[dict]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def packing_mode(args) -> int:
+    from packing import measure_packing, print_packing
+
+    ks = [int(k) for k in args.packing.split(",")]
+    model = "cnn_tiny" if args.tiny else "wrn28_2"
+    data = ({"dataset": "imagefolder", "root": str(Path(args.data).resolve()), "n_val": 5000}
+            if args.data else {"dataset": "digits", "n_val": 300})
+    train_config = {"model": model, "mix": {"name": "cowmix"},
+                    "data": {**data, "n_labeled": 100 if args.tiny else 1000},
+                    "train": {"batch_size": args.batch, "epochs": args.epochs, "steps_per_epoch": args.steps,
+                              "device": args.device, "eval_batch_size": 1000}}
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    where = torch.cuda.get_device_name() if gpus else "cpu"
+    print(f"# packing on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {model} CowMix, "
+          f"batch {args.batch}+{args.batch}, {args.epochs} epochs x {args.steps} steps per trial", flush=True)
+    rows = measure_packing(train_config, ks, gpus)
+    print_packing(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "date": time.strftime("%Y-%m-%d"), "rows": rows},
+                                              indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -203,10 +227,15 @@ def main(argv=None) -> int:
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps: a smoke run for CI")
     p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "
+                   "Ray Tune, each with 1/k of the GPU (e.g. 1,2,4,8)")
+    p.add_argument("--epochs", type=int, default=3, help="packing mode: epochs per trial")
     args = p.parse_args(argv)
+    if args.packing:
+        return packing_mode(args)
     if args.tiny:
         args.models, args.batch, args.steps, args.warmup, args.workers = "cnn_tiny", 16, 3, 1, 0
-        args.no_compile = True
+        args.no_compile, args.epochs = True, 2
     device = torch.device(args.device)
     for method in args.methods.split(","):
         if method not in METHODS:
