@@ -25,7 +25,8 @@ def _trial(config: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(config["train_config"])
     device = resolve_device(cfg.train.device)
     if device.type == "cuda" and config["fraction"] < 1:
-        torch.cuda.set_per_process_memory_fraction(config["fraction"], device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(config["fraction"], index)
     data = prepare_data(cfg.data, cfg.labeled_seed, device)
 
     def report(epoch, metrics, path):
