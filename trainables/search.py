@@ -89,7 +89,7 @@ def init_ray() -> None:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)   # never a stale `ray start`
 
 
 def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
@@ -120,7 +120,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
                                            points_to_evaluate=plan.points, sampler=optuna.samplers.TPESampler(seed=plan.seed))
         scheduler = tune.schedulers.ASHAScheduler(time_attr=M.EPOCH, metric=settings.metric, mode=settings.mode,
                                                   max_t=plan.epochs, grace_period=plan.grace,
-                                                  reduction_factor=settings.reduction_factor)
+                                                  reduction_factor=settings.reduction_factor,
+                                                  stop_last_trials=False)
         tuner = tune.Tuner(
             trainable, param_space={**plan.base, META: meta},
             tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=plan.num_samples,

@@ -38,9 +38,8 @@ def is_embedded(uri: str) -> bool:
 
 def git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or "unknown"
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -51,9 +50,7 @@ def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) ->
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = None
-    if is_embedded(uri):
-        location = (Path(workdir or os.getcwd()).resolve() / "mlartifacts" / name).as_uri()
+    location = (Path(workdir or os.getcwd()).resolve() / "mlartifacts" / name).as_uri() if is_embedded(uri) else None
     try:
         return client.create_experiment(name, artifact_location=location)
     except MlflowException:   # another driver created it in between
@@ -70,10 +67,8 @@ def start_parent(uri: str, experiment_id: str, name: str, tags: dict[str, str], 
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
-    client = MlflowClient(uri)
-    for k, v in (tags or {}).items():
-        client.set_tag(run_id, k, v)
-    client.set_terminated(run_id, status)
+    MlflowClient(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+    MlflowClient(uri).set_terminated(run_id, status)
 
 
 def child_runs(uri: str, experiment_id: str, parent_id: str) -> list[Any]:
@@ -132,34 +127,11 @@ class TrialRun:
         self.client.set_terminated(self.run_id, status)
 
 
-def learning_curve_png(history: list[dict[str, float]], path: Path, title: str) -> Path:
-    """Every val/* and train/loss_* metric against the epoch, as a PNG (matplotlib, Agg)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_err, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.5))
-    epochs = [h["epoch"] for h in history]
-    for key in sorted(history[-1]):
-        ax = ax_err if key.startswith(("val/error", "test/error")) else ax_loss if "loss" in key else None
-        if ax is not None:
-            ax.plot(epochs, [h.get(key, float("nan")) for h in history], marker=".", label=key)
-    for ax, label in ((ax_err, "error"), (ax_loss, "loss")):
-        ax.set_xlabel("epoch"), ax.set_ylabel(label), ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
-
-
 def register_model(uri: str, run_id: str, name: str, alias: str, artifact_path: str) -> str:
     """Register ``runs:/<run_id>/<artifact_path>`` as a new version of ``name`` and point ``alias`` at it."""
     client = MlflowClient(uri)
-    try:
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
         client.create_registered_model(name)
-    except MlflowException:
-        pass   # already registered
     version = client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id)
     client.set_registered_model_alias(name, alias, version.version)
     return version.version
@@ -171,3 +143,7 @@ def find_parent(uri: str, experiment_id: str, experiment_path: str) -> Any | Non
                                          order_by=["attributes.start_time DESC"], max_results=10)
     runs = [r for r in runs if PARENT_TAG not in r.data.tags]
     return runs[0] if runs else None
+
+
+def log_run_artifact(uri: str, run_id: str, path: str | Path) -> None:
+    MlflowClient(uri).log_artifact(run_id, str(path))

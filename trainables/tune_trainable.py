@@ -19,21 +19,24 @@ from typing import Any
 
 import torch
 import yaml
+import ray
 from ray import tune
 
 from trainables import tracking
 from trainables.config import TrainConfig
+from trainables.curves import learning_curve_png
 from trainables.data import TrainData, prepare_data
-from trainables.trainer import CHECKPOINT, fit, resolve_device
+from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError
 
 # GPU share per trial by model, sized so N packed trials fit one 80 GB card with room to spare.
 GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
                 "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
-META = "_cowtune"
+META, TRAIN_CONFIG = "_cowtune", "_final"   # driver settings; final runs: {"config": ..., "dataset", "labels", ...}
 
 _DATA: dict[str, TrainData] = {}   # per worker process: loaded once, shared by the trials it runs
 DATA_LOADS = 0
+_OUT_DIRS: list[Path] = []         # this worker's trial folders, removed when it starts its next trial
 
 
 def trial_resources(model: str, cpus: int, gpus_in_cluster: float) -> dict[str, float]:
@@ -88,20 +91,32 @@ def _gallery(cfg: TrainConfig, size: tuple[int, int], path: Path) -> Path | None
 
 def train_trial(config: dict[str, Any]) -> None:
     meta = config[META]
-    cfg = TrainConfig.from_dict({k: v for k, v in config.items() if k != META})
+    body = config[TRAIN_CONFIG]["config"] if TRAIN_CONFIG in config else {k: v for k, v in config.items() if k != META}
+    cfg = TrainConfig.from_dict(body)
     search = meta["mode"] == "search"
     if search and cfg.data.eval_split != "val":
         raise ConfigError(f"data.eval_split must be 'val' in a search, got {cfg.data.eval_split!r}")
     ctx = tune.get_context()
     trial_id, trial_name = ctx.get_trial_id(), ctx.get_trial_name()
+    workers = config.get(TRAIN_CONFIG, {}).get("ddp_workers", 1)
+    if workers > 1:   # ImageNet: data-parallel over the trial's GPUs with Ray Train; rank 0 reports and logs
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        from trainables.ddp import fit_data_parallel
+        fit_data_parallel(cfg, workers, meta.get("use_gpu", False), meta["storage"], f"{trial_name}-ddp",
+                          callbacks=[TuneReportCallback()],
+                          tracking={**meta, "trial_id": trial_id, "trial_name": trial_name, "workers": workers})
+        return
+    while _OUT_DIRS:   # folders of earlier trials of this (reused) worker, e.g. ones ASHA stopped mid-epoch
+        shutil.rmtree(_OUT_DIRS.pop(), ignore_errors=True)
     out = Path(tempfile.mkdtemp(prefix=f"cowtune-{trial_id}-"))
-    checkpoint = tune.get_checkpoint()
-    if checkpoint:
+    _OUT_DIRS.append(out)
+    if checkpoint := tune.get_checkpoint():        # retry / restore: continue from the last epoch, same MLflow run
         with checkpoint.as_directory() as d:
             shutil.copytree(d, out, dirs_exist_ok=True)
     device = resolve_device(cfg.train.device)
-    if device.type == "cuda" and meta.get("gpu", 0) and meta["gpu"] < 1:
-        torch.cuda.set_per_process_memory_fraction(meta["gpu"], device)   # packed trials cannot starve each other
+    if device.type == "cuda" and 0 < meta.get("gpu", 0) < 1:   # packed trials cannot starve each other
+        torch.cuda.set_per_process_memory_fraction(meta["gpu"], torch.cuda.current_device() if device.index is None else device.index)
     if device.type == "cpu" and cfg.train.threads is None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=meta.get("cpus", 1)))
     loads_before = DATA_LOADS
@@ -112,7 +127,8 @@ def train_trial(config: dict[str, Any]) -> None:
                                             "method": cfg.method, "model": cfg.model, "seed": str(cfg.seed),
                                             "mlflow.source.git.commit": meta.get("git_sha", "unknown"),
                                             **{f"split.{k}": v for k, v in data.split_hashes.items()}})
-    run.set_tags({"worker.pid": os.getpid(), "worker.data_cache_hit": DATA_LOADS == loads_before})
+    run.set_tags({"worker.pid": os.getpid(), "worker.data_cache_hit": DATA_LOADS == loads_before,
+                  "worker.node_id": ray.get_runtime_context().get_node_id()})
     if run.created:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         run.log_artifact(out / "config.yaml")
@@ -124,10 +140,11 @@ def train_trial(config: dict[str, Any]) -> None:
     def report(epoch: int, metrics: dict[str, float], ckpt_path: Path) -> None:
         run.log_epoch(epoch, metrics)
         history[:] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        run.log_artifact(tracking.learning_curve_png(history, out / "learning_curve.png", trial_name))
+        run.log_artifact(learning_curve_png(history, out / "learning_curve.png", trial_name))
+        if epoch == cfg.train.epochs:   # before the last report: a scheduler may stop the trial right after it
+            run.log_artifact(ckpt_path, "checkpoint")    # what `cowtune promote` registers
         tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
 
     fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True))
-    run.log_artifact(out / CHECKPOINT, "checkpoint")   # what `cowtune promote` registers
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,26 @@
+"""CowOut on CIFAR-10 with 1,000 labels: CowMask sigma and kept-proportion ranges, loss weight, EMA, confidence.
+
+Run: python search_spaces/cifar10_cowout.py [--trials N --epochs N --data DIR --preset fast --smoke-test]
+The objective is the teacher's error on the 5,000-image holdout carved from the training split.
+"""
+from trainables.intervals import Float, Interval
+from trainables.presets import load_config
+from trainables.search import SearchSettings, run_search
+
+# The paper's CowOut setting (Table 1), with a validation holdout instead of the test split.
+BASE = load_config("cifar10_cowout", ["data.n_val=5000", "data.eval_split=val"])
+
+SPACE = {
+    "perturb": {
+        "sigma_range": Interval(1.0, 32.0, log=True, min_width=1.5),   # paper (4, 16)
+        "prop_range": Interval(0.0, 1.0, min_width=0.1),              # fraction kept, paper (0.25, 1)
+        "weight": Float(0.1, 10.0, log=True),                         # omega, paper 1
+        "conf_thresh": Float(0.5, 0.99),                              # paper 0.97
+    },
+    "teacher": {"alpha": Float(0.95, 0.999)},                         # paper 0.99
+}
+
+SEARCH = SearchSettings(name="cifar10_cowout", num_samples=64, seed=0)
+
+if __name__ == "__main__":
+    run_search(BASE, SPACE, SEARCH)

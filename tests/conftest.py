@@ -1,0 +1,152 @@
+"""Real services for the search tests: an `mlflow server` and a Ray head node, both on 127.0.0.1.
+
+Each is started once per test session as a child process in its own process group and stopped
+by that group id at the end (never `ray stop`, which would stop every Ray node of the user).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, timeout: float = 5) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def ray_token_env(tmp_path_factory) -> dict[str, str]:
+    """Token authentication for the test cluster: the nodes and every client share one token file."""
+    path = tmp_path_factory.mktemp("ray-auth") / "token"
+    path.write_text(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path), "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def start_ray_node(tmp: Path, auth: dict, head_port: int | None = None, num_cpus: int = 2,
+                   extra: tuple = ()) -> subprocess.Popen:
+    """`ray start --block` as a child; with head_port it joins that head as a worker node."""
+    cmd = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+           "--num-gpus=0", "--object-store-memory=150000000", "--disable-usage-stats", *extra]
+    cmd += [f"--address=127.0.0.1:{head_port}"] if head_port else []
+    env = {**os.environ, **auth}
+    log = open(tmp / f"ray-node-{time.time_ns()}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ray(address: str, nodes: int, auth: dict, timeout: float = 90) -> None:
+    code = f"import ray; ray.init(address='{address}', logging_level='ERROR'); print(len([n for n in ray.nodes() if n['Alive']]))"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **auth})
+        if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(nodes)]:
+            return
+        time.sleep(2)
+    raise RuntimeError(f"Ray at {address} did not get {nodes} live nodes in {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """URI of a real MLflow tracking server (SQLite backend, proxied artifacts) on loopback."""
+    tmp = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                stop_group(proc)
+                raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
+            time.sleep(1)
+    yield uri
+    stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory, ray_token_env):
+    """Address of a real local Ray head node (2 CPUs) on loopback, for searches run as subprocesses."""
+    tmp = tmp_path_factory.mktemp("ray")
+    port = free_port()
+    temp = Path(f"/tmp/cowtune-ray-{port}")   # own temp dir: no /tmp/ray/ray_current_cluster for other drivers to find
+    proc = start_ray_node(tmp, ray_token_env, extra=("--head", f"--port={port}", "--include-dashboard=false",
+                                                     f"--temp-dir={temp}"))
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_ray(address, 1, ray_token_env)
+        yield address
+    finally:
+        stop_group(proc)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def search_env(mlflow_server, ray_head, ray_token_env, tmp_path_factory):
+    return {**os.environ, **ray_token_env, "MLFLOW_TRACKING_URI": mlflow_server, "RAY_ADDRESS": ray_head,
+            "PYTHONUNBUFFERED": "1", "COWTUNE_CACHE": str(tmp_path_factory.mktemp("cache"))}
+
+
+def run_search_script(script: str, args: list[str], env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return run_checked([sys.executable, str(ROOT / "search_spaces" / script), *args], env, cwd, timeout)
+
+
+def run_checked(cmd: list[str], env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits_tree(tmp_path_factory) -> Path:
+    """A tiny ImageFolder tree with train/ and test/ splits (digits as 32x32 PNGs, 10 classes)."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    root = tmp_path_factory.mktemp("digits_tree")
+    d = load_digits()
+    counts: dict[tuple[str, int], int] = {}
+    for img, label in zip(d.images, d.target):
+        n = counts.get(("all", label), 0)
+        if n >= 20:
+            continue
+        counts[("all", label)] = n + 1
+        split = "train" if n < 15 else "test"
+        path = root / split / str(label) / f"{n:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arr = (np.kron(img, np.ones((4, 4))) * (255 / 16)).astype(np.uint8)
+        Image.fromarray(np.stack([arr] * 3, -1)).save(path)
+    return root

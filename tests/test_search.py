@@ -1,0 +1,107 @@
+"""End to end on real services: a tiny search on a local Ray node recorded by an `mlflow server`,
+then `cowtune promote` and `cowtune final` on its result."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import run_checked, run_search_script
+from trainables import metrics as M
+from trainables.config import TrainConfig
+
+pytestmark = pytest.mark.slow
+COWTUNE = [sys.executable, "-m", "trainables.cli"]
+
+
+def runs_of(uri, name):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+@pytest.fixture(scope="module")
+def search(search_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("search")
+    out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "3", "--concurrency", "1",
+                                                  "--name", "e2e", "--storage", str(tmp / "ray")], search_env, tmp)
+    return tmp, out
+
+
+def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server):
+    assert "done: 3 trials (0 failed)" in search[1].stdout
+    client, parents, children = runs_of(mlflow_server, "e2e")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 3
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert len({c.data.tags["ray.trial_id"] for c in children}) == 3
+    ordered = sorted(children, key=lambda c: c.info.start_time)
+    paper = [round(float(x), 6) for x in ordered[0].data.params["mix.sigma_range"].strip("[]").split(",")]
+    assert paper == [4.0, 16.0] and float(ordered[0].data.params["mix.weight"]) == 30.0   # paper point first
+    for c in children:
+        assert c.info.status == "FINISHED"
+        lo, hi = (float(x) for x in c.data.params["mix.sigma_range"].strip("[]").split(","))
+        assert 1.0 <= lo and hi <= 32.0 and hi / lo >= 1.5 - 1e-9       # sampled ranges never empty/inverted
+        history = client.get_metric_history(c.info.run_id, M.VAL_ERROR_TEACHER)
+        assert sorted(m.step for m in history) == [1, 2] and all(math.isfinite(m.value) for m in history)
+        for tag in ("dataset", "n_labeled", "split.val", "split.labeled", "mlflow.source.git.commit", "ray.trial_id"):
+            assert c.data.tags[tag], tag
+        assert c.data.tags["dataset"] == "digits" and c.data.tags["n_labeled"] == "50"
+        assert not any(k.startswith("test/") for k in c.data.metrics)
+        arts = {a.path for a in client.list_artifacts(c.info.run_id)}
+        assert {"config.yaml", "masks.png", "learning_curve.png", "checkpoint"} <= arts
+    # Data are loaded once per worker process: with one trial at a time the actor is reused.
+    assert len({c.data.tags["worker.pid"] for c in ordered}) == 1
+    assert [c.data.tags["worker.data_cache_hit"] for c in ordered] == ["False", "True", "True"]
+
+
+def test_promote_registers_best_full_budget_trial(search, search_env, mlflow_server):
+    tmp = search[0]
+    run_checked([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp / "promoted.yaml")], search_env, tmp)
+    client, _, children = runs_of(mlflow_server, "e2e")
+    best = min(children, key=lambda c: (c.data.metrics[M.VAL_ERROR_TEACHER], c.info.start_time))
+    version = client.get_model_version_by_alias("e2e", "champion")
+    assert client.get_run(version.run_id).data.metrics[M.VAL_ERROR_TEACHER] == best.data.metrics[M.VAL_ERROR_TEACHER]
+    text = (tmp / "promoted.yaml").read_text()
+    assert f"# run_id: {version.run_id}" in text
+    assert TrainConfig.from_dict(yaml.safe_load(text)).to_dict() == yaml.safe_load(
+        Path(client.download_artifacts(version.run_id, "config.yaml", str(tmp))).read_text())
+
+
+def test_final_trains_seeds_on_test_split_and_writes_table(search, search_env, mlflow_server, digits_tree):
+    tmp = search[0]
+    if not (tmp / "promoted.yaml").exists():
+        run_checked([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp / "promoted.yaml")], search_env, tmp)
+    out = run_checked([*COWTUNE, "final", "--config", str(tmp / "promoted.yaml"), "--datasets",
+                       f"imagefolder={digits_tree}", "--labels", "20", "--seeds", "2", "--name", "fin",
+                       "--storage", str(tmp / "ray"), "--out", str(tmp / "final")], search_env, tmp)
+    table = (tmp / "final" / "final_table.md").read_text()
+    assert table in out.stdout
+    row = [line for line in table.splitlines() if line.startswith("| imagefolder | 20 |")]
+    assert len(row) == 1 and row[0].count("(n=2)") == 2          # CowMix and supervised, 2 seeds each
+    client, parents, children = runs_of(mlflow_server, "fin")
+    assert len(parents) == 1 and len(children) == 4
+    assert {c.data.tags["seed"] for c in children} == {"0", "1"}
+    for c in children:
+        assert "test/error_teacher" in c.data.metrics and "val/error_teacher" not in c.data.metrics
+    assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"final_table.md", "final_results.json"}
+
+
+def test_embedded_defaults_local_ray_sqlite_and_artifacts_under_cwd(tmp_path):
+    """No settings at all: Ray starts locally, MLflow writes ./mlflow.db and ./mlartifacts (the laptop path)."""
+    import os
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    out = run_search_script("cifar10_cowout.py", ["--smoke-test", "--trials", "1"], env, tmp_path)
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out.stdout
+    assert (tmp_path / "mlflow.db").exists() and (tmp_path / "ray_results" / "cifar10_cowout-smoke").is_dir()
+    client, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowout-smoke")
+    assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
+    assert children[0].info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
+    assert "perturb.sigma_range" in children[0].data.params

@@ -1,0 +1,104 @@
+"""Every search file is short, declarative, valid before Ray starts, and never reads the test split."""
+import ast
+import importlib
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainables import intervals
+from trainables.intervals import Choice, Float, Interval
+from trainables.search_settings import SearchSettings, parse_args, prepare_search
+from trainables.tune_trainable import HoldoutOnly, train_trial
+from trainables.validation import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = sorted(p for p in (ROOT / "search_spaces").glob("*.py") if p.name != "__init__.py")
+
+
+def load(path):
+    return importlib.import_module(f"search_spaces.{path.stem}")
+
+
+def test_the_required_searches_exist():
+    assert {"cifar10_cowmix.py", "cifar10_cowout.py"} <= {p.name for p in FILES}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_search_file_is_short_and_declarative(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 40
+    roots = {n.module.split(".")[0] for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)}
+    roots |= {a.name.split(".")[0] for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Import) for a in n.names}
+    assert roots <= {"trainables"}, roots
+    mod = load(path)
+    assert mod.BASE.data.eval_split == "val" and mod.BASE.data.n_val == 5000
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("argv", [[], ["--smoke-test"], ["--preset", "fast", "--trials", "3", "--epochs", "2", "--data", "x.zip"]])
+def test_search_prepares_on_the_driver_with_paper_point_first(path, argv):
+    mod = load(path)
+    plan = prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, argv))
+    assert plan.base["data"]["eval_split"] == "val"
+    first = intervals.decode(mod.SPACE, plan.points[0])        # the paper's setting, decoded back
+    section = "mix" if "mix" in mod.SPACE else "perturb"
+    assert first[section]["sigma_range"] == pytest.approx(plan.base[section]["sigma_range"])
+    assert first[section]["prop_range"] == pytest.approx(plan.base[section]["prop_range"])
+    assert 1 <= plan.grace <= plan.epochs
+    if argv and argv[0] == "--preset":
+        assert plan.base["model"] == "cnn_tiny" and plan.base["data"]["root"] == "x.zip" and plan.num_samples == 3
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("override", ["data.eval_split=test", "data.n_val=0"])
+def test_no_search_can_evaluate_on_the_test_split(path, override):
+    mod = load(path)
+    with pytest.raises(ConfigError, match="eval_split"):
+        prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, ["--set", override]))
+
+
+def test_a_space_that_could_pick_the_test_split_is_refused():
+    mod = load(FILES[0])
+    space = {**mod.SPACE, "data": {"eval_split": Choice(("val", "test"))}}
+    with pytest.raises(ConfigError, match="test"):
+        prepare_search(mod.BASE, space, SearchSettings(name="x", validation_samples=32), parse_args(mod.SEARCH, []))
+
+
+def test_trials_refuse_the_test_split_even_if_asked():
+    cfg = load(FILES[0]).BASE.to_dict()
+    cfg["data"].update(eval_split="test", n_val=0)
+    with pytest.raises(ConfigError, match="eval_split"):
+        train_trial({**cfg, "_cowtune": {"mode": "search"}})
+    from trainables.config import DataConfig
+    from trainables.data import prepare_data
+    tree_data = prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=20), 0, torch.device("cpu"))
+    guarded = HoldoutOnly(tree_data)
+    assert next(iter(guarded.eval_batches("val", 50)))[0].shape[0] == 50
+    with pytest.raises(ConfigError, match="test split"):
+        guarded.eval_batches("test", 50)
+
+
+@pytest.mark.parametrize("dom", [Interval(1.0, 32.0, log=True, min_width=1.5), Interval(0.0, 1.0, min_width=0.1)])
+def test_interval_samples_are_never_empty_or_inverted(dom):
+    specs = dom.params("r")
+    rng = random.Random(0)
+    corners = [{k: s[1] for k, s in specs.items()}, {k: s[2] for k, s in specs.items()}]
+    for values in corners + [{k: rng.uniform(s[1], s[2]) for k, s in specs.items()} for _ in range(500)]:
+        lo, hi = dom.decode(values, "r")
+        assert dom.low - 1e-9 <= lo < hi <= dom.high + 1e-9
+        assert (hi / lo if dom.log else hi - lo) >= dom.min_width - 1e-6
+
+
+def test_interval_round_trip_and_errors():
+    dom = Interval(1.0, 32.0, log=True, min_width=1.5)
+    assert dom.decode(dom.encode([4.0, 16.0], "s"), "s") == pytest.approx([4.0, 16.0])
+    with pytest.raises(ConfigError, match="inside"):
+        dom.encode([16.0, 4.0], "s")
+    with pytest.raises(ConfigError, match="min_width"):
+        Interval(0.0, 1.0, min_width=0.0)
+    with pytest.raises(ConfigError, match="low < high"):
+        Float(2.0, 1.0)
+    with pytest.raises(ConfigError, match="Float, Choice or Interval"):
+        intervals.space_params({"mix": {"weight": (1, 2)}})

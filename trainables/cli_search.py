@@ -1,0 +1,73 @@
+"""``cowtune promote`` and ``cowtune final``: argparse subcommands (Ray and MLflow load only when run)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from trainables.validation import ConfigError
+
+
+def _datasets(text: str) -> dict[str, str]:
+    """'cifar10=data/cifar10,svhn=data/svhn' -> {name: root}."""
+    out = {}
+    for item in text.split(","):
+        name, sep, root = item.partition("=")
+        if not sep or not name or not root:
+            raise argparse.ArgumentTypeError(f"expected NAME=DIR[,NAME=DIR...], got {text!r}")
+        out[name.strip()] = root.strip()
+    return out
+
+
+def _labels(text: str) -> list[int]:
+    try:
+        return [-1 if v.strip() == "all" else int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated label counts (or 'all'), got {text!r}") from None
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from trainables.promote import promote
+
+    info = promote(args.search, args.out, alias=args.alias, model_name=args.model_name)
+    print(json.dumps(info, indent=2))
+    print(f"promoted config written to {args.out}; registered as {info['model']} (version {info['version']})")
+    return 0
+
+
+def _cmd_final(args: argparse.Namespace) -> int:
+    from trainables.final_job import run_final
+
+    if not Path(args.config).exists():
+        raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")
+    name = args.name or f"{Path(args.config).stem}-final"
+    storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
+    run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set, name, storage,
+              args.out or str(Path("final") / name), args.cpus_per_trial, args.concurrency, args.ddp_workers)
+    return 0
+
+
+def add_search_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("promote", help="register the best trial of a search and write its config")
+    p.add_argument("--search", required=True, help="search name (the MLflow experiment), e.g. cifar10_cowmix")
+    p.add_argument("--out", default="promoted.yaml", help="promoted config file (default promoted.yaml)")
+    p.add_argument("--alias", default="champion", help="model registry alias (default champion)")
+    p.add_argument("--model-name", help="registered model name (default: the search name)")
+    p.set_defaults(func=_cmd_promote)
+
+    f = sub.add_parser("final", help="train the promoted config on datasets x label counts x seeds; test-split table")
+    f.add_argument("--config", default="promoted.yaml", help="promoted config (default promoted.yaml)")
+    f.add_argument("--datasets", type=_datasets, required=True, metavar="NAME=DIR,...",
+                   help="cifar10, cifar100, svhn, imagenet (an ImageFolder tree) or any registered dataset")
+    f.add_argument("--labels", type=_labels, help="label counts, e.g. 250,1000,4000,all (default: the paper's)")
+    f.add_argument("--seeds", type=int, default=5, help="labeled subsets per label count (default 5)")
+    f.add_argument("--no-supervised", action="store_true", help="skip the supervised-only runs of the same seeds")
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of every run")
+    f.add_argument("--name", help="experiment name (default <config>-final)")
+    f.add_argument("--storage", help="Ray results folder or URI (default $COWTUNE_STORAGE or ./ray_results)")
+    f.add_argument("--out", help="folder for final_table.md and final_results.json (default final/<name>)")
+    f.add_argument("--cpus-per-trial", type=int, default=1)
+    f.add_argument("--concurrency", type=int, default=None)
+    f.add_argument("--ddp-workers", type=int, help="ImageNet: data-parallel workers (GPUs) per run (default: all GPUs, CPU: 2)")
+    f.set_defaults(func=_cmd_final)

@@ -1,0 +1,71 @@
+"""Runs ``cowtune final`` on Ray: a grid of full configs (no search) logged under one MLflow parent run."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+import yaml
+from ray import tune
+
+from trainables import tracking
+from trainables.final import final_configs, save_table
+from trainables.search import FinishChildRuns, init_ray
+from trainables.config import TrainConfig
+from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
+
+
+def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
+              overrides: list[str], name: str, storage: str, out_dir: str, cpus_per_trial: int = 1,
+              concurrency: int | None = None, ddp_workers: int | None = None) -> tuple[list[dict[str, Any]], str]:
+    promoted = yaml.safe_load(Path(config_path).read_text())
+    method = TrainConfig.from_dict(promoted).method
+    runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides)   # fails before Ray
+    uri = tracking.resolve_tracking_uri()
+    experiment_id = tracking.ensure_experiment(uri, name)
+    storage = storage if "://" in storage else str(Path(storage).resolve())
+    exp_path = f"{storage}/{name}"
+    init_ray()
+    restoring = tune.Tuner.can_restore(exp_path)
+    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
+    parent_id = tracking.start_parent(uri, experiment_id, name, {"cowtune.search": name, "cowtune.final": config_path,
+                                                                  "cowtune.experiment_path": exp_path, "method": method},
+                                      parent.info.run_id if parent else None)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    workers = ddp_workers or max(2, int(gpus))      # ImageNet: data-parallel over this many GPUs (CPU: 2 workers)
+    for r in runs:
+        r["ddp_workers"] = workers if r["dataset"] == "imagenet" else 1
+    meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "final",
+            "git_sha": tracking.git_sha(), "cpus": cpus_per_trial, "gpu": 0, "use_gpu": gpus > 0, "storage": storage}
+
+    def resources(spec: dict[str, Any]) -> dict[str, float]:
+        if spec[TRAIN_CONFIG]["ddp_workers"] > 1:
+            return {"cpu": 0, "memory": 2**20}   # a token bundle: the Ray Train workers it launches hold CPUs/GPUs
+        return trial_resources(spec[TRAIN_CONFIG]["config"]["model"], cpus_per_trial, gpus)
+
+    trainable = tune.with_resources(train_trial, resources)
+    print(f"final {name}: {len(runs)} runs ({method}{' + supervised' if supervised else ''} x {seeds} seeds); "
+          f"MLflow {uri} (parent run {parent_id})" + (" [resuming]" if restoring else ""), flush=True)
+    if restoring:
+        tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(trainable, param_space={TRAIN_CONFIG: tune.grid_search(runs), META: meta},
+                           tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=concurrency),
+                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1,
+                                                     failure_config=tune.FailureConfig(max_failures=2),
+                                                     checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                                                     callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0)]))
+    results = tuner.fit()
+    records = []
+    for r in results:
+        spec = r.config[TRAIN_CONFIG]
+        err = (r.metrics or {}).get("test/error_teacher")
+        if r.error or err is None:
+            continue
+        records.append({k: spec[k] for k in ("dataset", "labels", "method", "seed")} | {"error": err})
+    path, table = save_table(Path(out_dir), records, method)
+    for artifact in (path, path.with_name("final_results.json")):
+        tracking.log_run_artifact(uri, parent_id, artifact)
+    tracking.finish_run(uri, parent_id, "FAILED" if len(records) < len(results) else "FINISHED")
+    print(table + f"\nsaved {path}; {len(records)}/{len(results)} runs finished", flush=True)
+    return records, table
