@@ -149,8 +149,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
 
     split = cfg.data.eval_split
     fmt = runner.memory_format
-    t_run = time.monotonic()
-    epochs_done_here = 0
+    epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
         torch.manual_seed(stream_seed(cfg.seed, epoch, 3))
         gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, epoch, 2))
@@ -190,8 +189,9 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
         }, ckpt_path)
         with open(out / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)
-        epochs_done_here += 1
-        per_epoch = (time.monotonic() - t_run) / epochs_done_here
+        epoch_times.append(time.monotonic() - t0)
+        recent = epoch_times[1:] or epoch_times  # the first epoch here pays for compilation
+        per_epoch = sum(recent) / len(recent)
         log(_summary(epoch + 1, cfg.train.epochs, metrics, split, per_epoch * (cfg.train.epochs - epoch - 1)))
         if report is not None:
             report(epoch + 1, metrics, ckpt_path)
