@@ -1,6 +1,7 @@
 """End to end on real services: a tiny search on a local Ray node recorded by an `mlflow server`,
 then `cowtune promote` and `cowtune final` on its result."""
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import run_checked, run_search_script
+from conftest import ROOT, run_checked, run_search_script
 from trainables import metrics as M
 from trainables.config import TrainConfig
 
@@ -105,3 +106,23 @@ def test_embedded_defaults_local_ray_sqlite_and_artifacts_under_cwd(tmp_path):
     assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
     assert children[0].info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
     assert "perturb.sigma_range" in children[0].data.params
+
+
+def test_relative_data_path_reaches_every_trial(tmp_path, digits_tree):
+    """`--data` relative to where the user runs the search works, although Ray runs trials in other folders."""
+    import os
+    import shutil
+    shutil.copytree(digits_tree, tmp_path / "mydata")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "1", "--data", "mydata", "--set",
+                                            "data.dataset=imagefolder", "--set", "data.n_val=30",
+                                            "--set", "data.n_labeled=20"], env, tmp_path)
+    _, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowmix-smoke")
+    assert len(children) == 1 and children[0].info.status == "FINISHED"
+    assert children[0].data.params["data.root"] == str(tmp_path / "mydata")
+    missing = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                              "--data", "nowhere"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "--data must name an existing dataset folder or zip" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -28,6 +28,7 @@ from trainables import intervals, tracking
 from trainables import metrics as M
 from trainables.search_settings import SearchSettings, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
+from trainables.validation import ConfigError
 
 __all__ = ["SearchSettings", "run_search"]
 
@@ -94,7 +95,10 @@ def init_ray() -> None:
 
 def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
     args = parse_args(settings, argv)
-    plan = prepare_search(base, space, settings, args)      # raises ConfigError before Ray starts
+    try:
+        plan = prepare_search(base, space, settings, args)  # every check before Ray starts
+    except ConfigError as exc:
+        raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
     uri = tracking.resolve_tracking_uri()
     experiment_id = tracking.ensure_experiment(uri, plan.name)
     exp_path = str(Path(plan.storage) / plan.name) if "://" not in plan.storage else f"{plan.storage}/{plan.name}"

@@ -110,10 +110,13 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     if args.smoke_test:
         d, name = merge(d, SMOKE), name + "-smoke"
     if args.data:
+        check(Path(args.data).exists(), "--data", "name an existing dataset folder or zip", args.data)
         d = merge(d, {"data": {"root": args.data}})
     if args.epochs:
         d = merge(d, {"train": {"epochs": args.epochs}})
     d = apply_overrides(d, args.set)
+    data = d.setdefault("data", {})
+    data["root"] = str(Path(data.get("root") or "data").resolve())   # trials run in other folders
     cfg = TrainConfig.from_dict(d)
     check(cfg.data.eval_split == "val" and cfg.data.n_val > 0, "data.eval_split",
           "be 'val' with data.n_val > 0 in a search (a search never reads the test split)", cfg.data.eval_split)
