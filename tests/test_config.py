@@ -89,3 +89,14 @@ def test_l2_only_on_conv_and_linear_weights():
     assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[3].weight)}
     assert len(no_decay["params"]) == 4                 # conv bias, BN weight and bias, linear bias
     assert opt.param_groups[0]["lr"] == pytest.approx(0.2) and opt.defaults["nesterov"]
+
+
+def test_step_schedule_anneals_teacher_with_the_lr_shape():
+    from trainables.optim import step_schedule
+    cfg = TrainConfig.from_dict({"teacher": {"alpha": 0.97, "anneal": True}, "optim": {"warmup_epochs": 1}})
+    lr, alpha = step_schedule(cfg, 23401, 195, base_lr=0.05)     # after epoch 120: factor 0.2
+    assert lr == pytest.approx(0.01) and alpha == pytest.approx(1 - 0.03 * 0.2)
+    lr0, alpha0 = step_schedule(cfg, 0, 195, base_lr=0.05)       # warm-up scales lr, not the teacher
+    assert lr0 == 0.0 and alpha0 == pytest.approx(0.97)
+    plain = TrainConfig.from_dict({"teacher": {"alpha": 0.97}})
+    assert step_schedule(plain, 23401, 195, 0.05)[1] == 0.97

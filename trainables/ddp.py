@@ -25,12 +25,11 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import prepare_data
+from trainables.data import prepare_data, stream_seed
 from trainables.models import create_model
-from trainables.optim import lr_factor, make_optimizer
+from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
-from trainables.trainer import stream_seed
 
 STATE = "state.pt"
 
@@ -74,16 +73,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     split = cfg.data.eval_split
     run = _trial_run(config.get("tracking"), cfg, data) if rank == 0 else None
     for epoch in range(start, cfg.train.epochs):
-        torch.manual_seed(stream_seed(cfg.seed, epoch, 3))
-        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed + 7919 * rank, epoch, 2))
+        torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))
+        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed + 7919 * rank, epoch, "masks"))
         runner.reset_metrics()
         for i, batch in enumerate(data.train_batches(epoch, cfg.seed + 7919 * rank, cfg.train.batch_size, steps,
                                                      augment_twice)):
-            step = epoch * steps + i
-            alpha = cfg.teacher.alpha
-            if cfg.teacher.anneal:
-                alpha = 1.0 - (1.0 - alpha) * lr_factor(step, steps, cfg.optim, warmup=False)
-            runner.step(batch, gen, base_lr * lr_factor(step, steps, cfg.optim), alpha)
+            runner.step(batch, gen, *step_schedule(cfg, epoch * steps + i, steps, base_lr))
         metrics = runner.read_metrics()
         for name, model in (("teacher", teacher), ("student", student)):
             err, loss = _sharded_eval(model, data.eval_batches(split, cfg.train.eval_batch_size), runner, rank, world)

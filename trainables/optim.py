@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from trainables.config import OptimConfig
+from trainables.config import OptimConfig, TrainConfig
 
 
 def make_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.SGD:
@@ -47,3 +47,13 @@ def lr_factor(step: int, steps_per_epoch: int, cfg: OptimConfig, warmup: bool = 
     if warmup and cfg.warmup_epochs > 0:
         factor *= min(1.0, step / (cfg.warmup_epochs * steps_per_epoch))
     return factor
+
+
+def step_schedule(cfg: TrainConfig, step: int, steps_per_epoch: int, base_lr: float) -> tuple[float, float]:
+    """(learning rate, teacher EMA alpha) at 0-based ``step``; with ``teacher.anneal`` (1 - alpha)
+    follows the learning-rate schedule's shape without warm-up, as in the reference."""
+    lr = base_lr * lr_factor(step, steps_per_epoch, cfg.optim)
+    alpha = cfg.teacher.alpha
+    if cfg.teacher.anneal:
+        alpha = 1.0 - (1.0 - alpha) * lr_factor(step, steps_per_epoch, cfg.optim, warmup=False)
+    return lr, alpha

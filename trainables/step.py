@@ -48,7 +48,7 @@ class StepRunner:
         compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
         mode = cfg.train.compile_mode if device.type == "cuda" else "default"
         self.compiled = compiled
-        self.graphs = compiled and "cudagraphs" not in mode and mode in ("reduce-overhead", "max-autotune")
+        self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
         self.student_forward = torch.compile(student, mode=mode) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
         self.reset_metrics()

@@ -22,9 +22,9 @@ import torch
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import TrainData, prepare_data
+from trainables.data import TrainData, prepare_data, stream_seed
 from trainables.models import create_model
-from trainables.optim import lr_factor, make_optimizer
+from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
 from trainables.validation import ConfigError
@@ -48,11 +48,6 @@ def resolve_device(setting: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device must name an available device, got {setting!r} (no CUDA here)")
     return device
-
-
-def stream_seed(seed: int, epoch: int, stream: int) -> int:
-    """A distinct 63-bit seed per (run seed, epoch, stream)."""
-    return (seed * 1_000_003 + epoch * 7_919 + stream * 104_729) % (2**63 - 1)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -151,18 +146,13 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     fmt = runner.memory_format
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
-        torch.manual_seed(stream_seed(cfg.seed, epoch, 3))
-        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, epoch, 2))
+        torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))  # shake-shake gates, dropout
+        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, epoch, "masks"))
         runner.reset_metrics()
         t0, t_print = time.monotonic(), time.monotonic()
         batches = data.train_batches(epoch, cfg.seed, cfg.train.batch_size, steps_per_epoch, augment_twice)
         for i, batch in enumerate(batches):
-            step = epoch * steps_per_epoch + i
-            factor = lr_factor(step, steps_per_epoch, cfg.optim)
-            alpha = cfg.teacher.alpha
-            if cfg.teacher.anneal:
-                alpha = 1.0 - (1.0 - alpha) * lr_factor(step, steps_per_epoch, cfg.optim, warmup=False)
-            runner.step(batch, gen, base_lr * factor, alpha)
+            runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
             if time.monotonic() - t_print > 15:
                 t_print = time.monotonic()
                 rate = (i + 1) / (t_print - t0)
