@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --data ../shared/datasets/cifar10-jpeg/train.zip
     python benchmarks/throughput.py --device cpu --tiny   # same code, tiny model, < 1 minute
     python benchmarks/throughput.py --packing 1,2,4,8 --data DIR --steps 100   # trials per GPU under Ray Tune
+    python benchmarks/throughput.py --search 16 --epochs 30 --data DIR  # wall time of a whole search
 
 For each model and method it times the full step as the trainer runs it (augmentation on the
 device, masks, student and teacher passes, optimiser, EMA, metrics) at batch B labeled + B
@@ -212,6 +213,21 @@ def packing_mode(args) -> int:
     return 0
 
 
+def search_mode(args) -> int:
+    from search_wall import print_search, run_search_timed
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    print(f"# search wall time on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
+          f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
+          flush=True)
+    extra = [] if args.device != "cpu" else ["--set", "train.device=cpu"]
+    result = run_search_timed(args.search, args.epochs, args.data, "wrn28_2", args.tiny, extra)
+    print_search(result, args.epochs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "date": time.strftime("%Y-%m-%d"), **result}, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -229,10 +245,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "
                    "Ray Tune, each with 1/k of the GPU (e.g. 1,2,4,8)")
-    p.add_argument("--epochs", type=int, default=3, help="packing mode: epochs per trial")
+    p.add_argument("--search", type=int, metavar="N", help="search mode: run the CowMix search script with N "
+                   "WRN-28-2 trials (Ray Tune, Optuna, ASHA, MLflow) and print its wall time")
+    p.add_argument("--epochs", type=int, default=3, help="packing and search modes: epochs per trial")
     args = p.parse_args(argv)
     if args.packing:
         return packing_mode(args)
+    if args.search:
+        return search_mode(args)
     if args.tiny:
         args.models, args.batch, args.steps, args.warmup, args.workers = "cnn_tiny", 16, 3, 1, 0
         args.no_compile, args.epochs = True, 2

@@ -1,10 +1,14 @@
-"""The searcher: paper point first, seeded TPE, ASHA-stopped trials told to Optuna as PRUNED."""
+"""The searcher: paper point first, then known points, seeded TPE, ASHA-stopped trials told to Optuna as PRUNED."""
+import dataclasses
+
 import optuna
+import pytest
 
 from trainables import intervals
 from trainables import metrics as M
 from trainables.search import BudgetAwareOptunaSearch
 from trainables.search_settings import parse_args, prepare_search
+from trainables.validation import ConfigError
 import search_spaces.cifar10_cowmix as cowmix
 
 
@@ -29,12 +33,28 @@ def test_stopped_trials_are_pruned_not_complete():
         s.suggest(tid)
     for epoch in range(1, 11):
         s.on_trial_result("full", {M.VAL_ERROR_TEACHER: 0.5 - 0.01 * epoch, M.EPOCH: epoch})
-    for epoch in (1, 2, 3):
+    for epoch in (1, 2):
         s.on_trial_result("stopped", {M.VAL_ERROR_TEACHER: 0.9, M.EPOCH: epoch})
     s.on_trial_complete("full", {M.VAL_ERROR_TEACHER: 0.4, M.EPOCH: 10})
-    s.on_trial_complete("stopped", {M.VAL_ERROR_TEACHER: 0.9, M.EPOCH: 3})    # ASHA stopped it at epoch 3
+    # ASHA stopped it on its epoch-3 result, which Tune passes to on_trial_complete only, never to on_trial_result
+    s.on_trial_complete("stopped", {M.VAL_ERROR_TEACHER: 0.9, M.EPOCH: 3})
     trials = {t.number: t for t in s._ot_study.get_trials(deepcopy=False)}
     assert trials[0].state == optuna.trial.TrialState.COMPLETE and trials[0].value == 0.4
     assert trials[1].state == optuna.trial.TrialState.PRUNED
     assert trials[1].intermediate_values == {1: 0.9, 2: 0.9, 3: 0.9}   # TPE ranks it by how far it got
     assert intervals.decode(cowmix.SPACE, trials[1].params)["mix"]["prop_range"][0] < 1.0
+
+
+def test_known_points_follow_the_paper_point_and_set_only_space_fields():
+    settings = dataclasses.replace(cowmix.SEARCH, points=({"mix": {"weight": 3.0}},))
+    plan = prepare_search(cowmix.BASE, cowmix.SPACE, settings, parse_args(settings, []))
+    s = BudgetAwareOptunaSearch(cowmix.SPACE, plan.epochs, metric=M.VAL_ERROR_TEACHER, mode="min",
+                                points_to_evaluate=plan.points)
+    first, second = s.suggest("t0"), s.suggest("t1")
+    assert first["mix"]["weight"] == 30.0 and second["mix"]["weight"] == 3.0
+    assert second["teacher"]["alpha"] == 0.97                    # what a point leaves out stays the paper's
+    default = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH, parse_args(cowmix.SEARCH, []))
+    assert plan.fingerprint != default.fingerprint               # a restore never mixes the two searches
+    outside = dataclasses.replace(cowmix.SEARCH, points=({"optim": {"lr_per_256": 0.1}},))
+    with pytest.raises(ConfigError, match="SearchSettings.points must set only fields of the search space"):
+        prepare_search(cowmix.BASE, cowmix.SPACE, outside, parse_args(outside, []))

@@ -8,9 +8,10 @@ Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED, wit
 teacher errors as intermediate values, never as COMPLETE. TPE then ranks it below every trial
 that got further, instead of treating a truncated curve as a full-budget result.
 
-Grace period rule: ``max(ceil(epochs / 4), ceil(10 * H))`` epochs, where H = 1 / ((1 - alpha_max)
+Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max)
 * steps_per_epoch) is the EMA teacher's time constant in epochs for the largest alpha the space
-can draw; before that the teacher mostly remembers its random initialisation.
+can draw: after 3 H the random initialisation's share of the teacher, alpha^steps, is below
+e^-3 = 5%; before that a slow teacher would be judged on the weights it started from.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class BudgetAwareOptunaSearch(OptunaSearch):
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if result and not error and result.get(M.EPOCH, 0) < self._full_epochs and trial_id not in self._completed_trials:
+            self.on_trial_result(trial_id, result)   # the result ASHA stopped it on: Tune never passes it to on_trial_result
             self._ot_study.tell(self._ot_trials[trial_id], state=optuna.trial.TrialState.PRUNED)
             self._completed_trials.add(trial_id)
             return
@@ -109,8 +111,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         raise SystemExit(f"search {exp_path} exists with other settings; pass --name NEW to start another search")
     parent_id = tracking.start_parent(uri, experiment_id, plan.name, {**plan.tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if (restoring and parent is not None) else None)
-    gpus = ray.cluster_resources().get("GPU", 0)
-    resources = trial_resources(plan.base["model"], args.cpus_per_trial, gpus)
+    resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}
     trainable = tune.with_resources(train_trial, resources)

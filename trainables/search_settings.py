@@ -22,7 +22,7 @@ from trainables import intervals
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.presets import apply_overrides, read_config_file
-from trainables.validation import ConfigError, check
+from trainables.validation import ConfigError, check, flatten
 
 METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --preset supplies the rest
 SMOKE = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50, "eval_split": "val"},
@@ -39,6 +39,7 @@ class SearchSettings:
     seed: int = 0                      # TPE sampler seed
     reduction_factor: int = 3
     grace_period: int | None = None    # epochs; None: the rule in trainables/search.py
+    points: tuple[dict[str, Any], ...] = ()   # known settings of space fields, tried after the paper's, in order
     max_failures: int = 2
     validation_samples: int = 16       # space samples turned into configs on the driver before Ray
 
@@ -97,7 +98,7 @@ def grace_rule(base: TrainConfig, space: dict[str, Any], epochs: int) -> int:
     steps = base.train.steps_per_epoch or max(1, (TRAIN_SIZES.get(base.data.dataset, 25600) - base.data.n_val)
                                              // base.train.batch_size)
     horizon = 1.0 / max(1e-9, (1.0 - alpha_max) * steps)
-    return min(epochs, max(1, math.ceil(epochs / 4), math.ceil(10 * horizon)))
+    return min(epochs, max(1, math.ceil(epochs / 4), math.ceil(3 * horizon)))
 
 
 def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, args: argparse.Namespace) -> Plan:
@@ -122,6 +123,10 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
           "be 'val' with data.n_val > 0 in a search (a search never reads the test split)", cfg.data.eval_split)
     d = cfg.to_dict()
     points = [intervals.encode(space, d)]            # the paper's settings are evaluated first
+    for p in settings.points:
+        extra = set(flatten(p)) - {path for path, _ in intervals.leaves(space)}
+        check(not extra, "SearchSettings.points", "set only fields of the search space", sorted(extra))
+        points.append(intervals.encode(space, merge(d, p)))
     rng = random.Random(settings.seed)
     specs = intervals.space_params(space)
     for i in range(settings.validation_samples):
@@ -139,7 +144,8 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     storage = storage if "://" in storage else str(Path(storage).resolve())
     seed = settings.seed if args.seed is None else args.seed
     name = args.name or name
-    key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace], sort_keys=True)
+    key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace]
+                     + ([points[1:]] if settings.points else []), sort_keys=True)   # unchanged for searches without points
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     tags = {"cowtune.search": name, "cowtune.fingerprint": fingerprint, "dataset": cfg.data.dataset,
             "n_labeled": str(cfg.data.n_labeled), "method": cfg.method, "model": cfg.model,

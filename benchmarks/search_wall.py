@@ -1,0 +1,69 @@
+"""Wall time of a whole search: the real search script, Ray Tune, Optuna, ASHA, MLflow and evaluation.
+
+``python benchmarks/throughput.py --search 16 --epochs 30 --data DIR`` runs
+``search_spaces/cifar10_cowmix.py`` with WRN-28-2 in a fresh working folder (embedded MLflow on
+SQLite there, Ray results there), times it from launch to exit, and reads back from MLflow what
+each trial did: epochs trained, whether ASHA stopped it, its final holdout error.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tiny: bool,
+                     extra: list[str]) -> dict[str, Any]:
+    """Run the CowMix search script once; return wall time and what MLflow recorded per trial."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables import metrics as M
+    from trainables.tracking import PARENT_TAG, TRIAL_TAG
+
+    work = Path(tempfile.mkdtemp(prefix="cowtune-search-bench-"))
+    cmd = [sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--trials", str(trials),
+           "--epochs", str(epochs), "--name", "search-bench", "--storage", str(work / "ray_results")]
+    cmd += ["--smoke-test"] if tiny else ["--set", f"model={model}"]
+    if data:
+        cmd += ["--data", str(Path(data).resolve())]
+    cmd += extra
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # embedded store in `work`
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    print(f"# search: {' '.join(cmd[1:])}\n# working folder {work}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=work, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"search failed with exit status {proc.returncode} after {wall:.0f} s")
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("search-bench")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    children = [r for r in runs if PARENT_TAG in r.data.tags]
+    rows = []
+    for r in children:
+        err = r.data.metrics.get(M.VAL_ERROR_TEACHER)
+        rows.append({"trial": r.data.tags.get(TRIAL_TAG, "?"),
+                     "epochs": int(r.data.tags.get("cowtune.final_epoch", "0")),
+                     "stopped_early": r.data.tags.get("cowtune.stopped_early") == "True",
+                     "val_error_teacher": err, "status": r.info.status})
+    return {"wall_s": wall, "trials": rows, "working_folder": str(work)}
+
+
+def print_search(result: dict[str, Any], epochs: int) -> None:
+    rows = result["trials"]
+    full = [r for r in rows if r["epochs"] >= epochs]
+    stopped = [r for r in rows if r["stopped_early"]]
+    errors = [r["val_error_teacher"] for r in rows if r["val_error_teacher"] is not None]
+    print(f"\n{'trial':>10}  {'epochs':>6}  {'ASHA stop':>9}  {'val err (teacher)':>17}  status")
+    for r in sorted(rows, key=lambda r: (r["val_error_teacher"] is None, r["val_error_teacher"] or 0)):
+        err = f"{100 * r['val_error_teacher']:.2f}%" if r["val_error_teacher"] is not None else "-"
+        print(f"{r['trial']:>10}  {r['epochs']:>6}  {'yes' if r['stopped_early'] else 'no':>9}  {err:>17}  {r['status']}")
+    print(f"\nwall time {result['wall_s'] / 60:.1f} min for {len(rows)} trials: {len(full)} ran all {epochs} epochs, "
+          f"{len(stopped)} stopped by ASHA, {sum(r['epochs'] for r in rows)} trial-epochs in all"
+          + (f"; best holdout error {100 * min(errors):.2f}%" if errors else ""), flush=True)
