@@ -105,3 +105,26 @@ def test_interval_round_trip_and_errors():
         Float(2.0, 1.0)
     with pytest.raises(ConfigError, match="Float, Choice or Interval"):
         intervals.space_params({"mix": {"weight": (1, 2)}})
+
+
+
+def test_data_that_a_trial_could_not_read_fails_on_the_driver(tmp_path):
+    """A JPEG zip passed for the torchvision cifar10 layout is refused before Ray, with the fix named."""
+    import zipfile
+
+    from trainables.search_settings import check_files
+
+    mod = load(FILES[0])
+    archive = tmp_path / "train.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("airplane/0.jpg", b"listed, not decoded")
+    (tmp_path / "empty").mkdir()
+
+    def plan(*argv):
+        return prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, list(argv)))
+
+    with pytest.raises(ConfigError, match=r"add `--set data\.dataset=imagefolder`"):
+        check_files(plan("--data", str(archive)))
+    with pytest.raises(ConfigError, match=r"cifar-10-batches-py.*data\.download=true"):
+        check_files(plan("--data", str(tmp_path / "empty")))
+    check_files(plan("--data", str(archive), "--set", "data.dataset=imagefolder"))   # readable: no error

@@ -173,14 +173,41 @@ def load_raw(cfg: "DataConfig") -> RawDataset:
     return DATASETS[cfg.dataset](cfg)
 
 
+# What torchvision's loaders look for under data.root; the driver-side check needs nothing else.
+TORCHVISION_FILES = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python", "svhn": "train_32x32.mat"}
+
+
+def _missing_files_error(cfg: "DataConfig", detail: str = "") -> ConfigError:
+    root = os.path.expanduser(cfg.root)
+    folder = root.lower().endswith(".zip") or (os.path.isdir(root) and not os.path.exists(
+        os.path.join(root, TORCHVISION_FILES.get(cfg.dataset, ""))) and bool(os.listdir(root)))
+    hint = "; it looks like an ImageFolder tree or zip: add `--set data.dataset=imagefolder`" if folder else \
+        " or pass `--set data.download=true` to fetch them"
+    return ConfigError(f"data.root must point at the {cfg.dataset} files in torchvision's layout "
+                       f"({TORCHVISION_FILES.get(cfg.dataset, '?')}), got {cfg.root!r}{detail}{hint}")
+
+
+def check_source(cfg: "DataConfig") -> None:
+    """Cheap check that ``cfg`` names data a loader can read, for a driver before it starts workers.
+
+    Lists an ImageFolder tree or zip (no decoding) or looks for torchvision's files; raises ConfigError.
+    """
+    if cfg.dataset not in DATASETS:
+        raise unknown_name("dataset", cfg.dataset, DATASETS)
+    root = os.path.abspath(os.path.expanduser(cfg.root))
+    if cfg.dataset == "imagefolder":
+        _layout(_list_images(root, cfg.root), cfg.root)
+    elif cfg.dataset in TORCHVISION_FILES and not cfg.download:
+        if not os.path.exists(os.path.join(root, TORCHVISION_FILES[cfg.dataset])):
+            raise _missing_files_error(cfg)
+
+
 def _torchvision_split(cfg: "DataConfig", make: Callable[[str, bool], object]) -> object:
     root = os.path.expanduser(cfg.root)
     try:
         return make(root, cfg.download)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
-        raise ConfigError(
-            f"data.root must point at the {cfg.dataset} files (torchvision layout) or pass "
-            f"`--set data.download=true` to fetch them, got {cfg.root!r} ({exc})") from None
+        raise _missing_files_error(cfg, f" ({exc})") from None
 
 
 def _torchvision_dataset(cfg: "DataConfig", make: Callable[[str, bool, bool], object]) -> RawDataset:

@@ -15,7 +15,6 @@ e^-3 = 5%; before that a slow teacher would be judged on the weights it started 
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from trainables import intervals, tracking
 from trainables import metrics as M
-from trainables.search_settings import SearchSettings, parse_args, prepare_search
+from trainables.search_settings import SearchSettings, check_files, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
@@ -82,8 +81,8 @@ class FinishChildRuns(tune.Callback):
         self._finish(trial, "FAILED")
 
 
-def _trial_dirname(trial: Any) -> str:
-    return f"{trial.trainable_name}_{trial.trial_id}"   # not the config: its constants make very long paths
+def _trial_dirname(trial: Any) -> str:   # not the config: its constants make very long paths
+    return f"{trial.trainable_name}_{trial.trial_id}"
 
 
 def init_ray() -> None:
@@ -98,7 +97,8 @@ def init_ray() -> None:
 def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
     args = parse_args(settings, argv)
     try:
-        plan = prepare_search(base, space, settings, args)  # every check before Ray starts
+        plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
+        check_files(plan)
     except ConfigError as exc:
         raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
     uri = tracking.resolve_tracking_uri()

@@ -21,6 +21,7 @@ from typing import Any
 from trainables import intervals
 from trainables import metrics as M
 from trainables.config import TrainConfig
+from trainables.data import check_source
 from trainables.presets import apply_overrides, read_config_file
 from trainables.validation import ConfigError, check, flatten
 
@@ -151,3 +152,8 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
             "n_labeled": str(cfg.data.n_labeled), "method": cfg.method, "model": cfg.model,
             "cowtune.trials": str(trials), "cowtune.epochs": str(epochs)}
     return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags)
+
+
+def check_files(plan: Plan) -> None:
+    """The data files a trial will read are there (listed, not decoded); raises ConfigError."""
+    check_source(TrainConfig.from_dict(plan.base).data)
