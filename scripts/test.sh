@@ -6,6 +6,22 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 log=$(mktemp)
+# tests/test_cluster.py runs `ray up`/`ray submit` against its own sshd on 127.0.0.1 (reached through nc, as
+# it listens on a free port); the launcher also needs rsync.
+missing=$(for tool in /usr/sbin/sshd ssh rsync nc; do command -v "$tool" >/dev/null || echo "$tool"; done)
+if [ -n "$missing" ]; then
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    policy=/usr/sbin/policy-rc.d   # keep apt from starting a system sshd on 0.0.0.0:22 while installing it
+    made_policy=
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && made_policy=1
+    fi
+    if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends openssh-server openssh-client rsync netcat-openbsd; } >"$log" 2>&1; then
+        cat "$log" >&2; exit 1
+    fi
+    [ -z "$made_policy" ] || $sudo rm -f "$policy"
+fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1
 fi
