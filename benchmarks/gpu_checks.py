@@ -4,6 +4,8 @@
    same batches (to bf16 precision).
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
    through, with compilation and CUDA graphs on (deterministic cuDNN).
+3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
+   uncompiled, give the same losses and weights over several steps of the same batches.
 
     python benchmarks/gpu_checks.py
 """
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
-from trainables.data import prepare_data  # noqa: E402
+from trainables.data import Batch, prepare_data  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.optim import make_optimizer  # noqa: E402
 from trainables.ssl.ema import make_teacher  # noqa: E402
@@ -49,7 +51,7 @@ def check_losses() -> bool:
                                   device, bf16))
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
     for r in runners:  # one step from the same weights: the losses of the same batch
-        r.step(batch, torch.Generator(device=device).manual_seed(1), 0.05, 0.97)
+        r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
     for key in (M.LOSS_SUP, M.LOSS_MIX, M.MIX_CONF_RATE):
@@ -80,9 +82,50 @@ def check_resume() -> bool:
     return a["epoch"] == b["epoch"] == 2 and diff == 0.0
 
 
+def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
+    device = torch.device("cuda")
+    cfgs = [config(precision="fp32", compile=False, channels_last=False, deterministic=True, cuda_graph=g)
+            for g in ("none", "step")]
+    if method is not None:
+        cfgs = [TrainConfig.from_dict({**{k: v for k, v in c.to_dict().items() if k not in ("mix", "perturb")},
+                                       **method}) for c in cfgs]
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    data = prepare_data(cfgs[0].data, 0, device)
+    batches = [Batch(*(t.clone() for t in (b.x_sup, b.y_sup, b.x_unsup0, b.x_unsup1)))
+               for b in data.train_batches(0, 0, 64, steps, False)]
+    states, losses = [], []
+    for cfg in cfgs:
+        torch.manual_seed(0)
+        student = create_model(cfg.model, 10).to(device)
+        r = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 64), device, False)
+        gen, per_step, per_state = r.generator.manual_seed(1), [], []
+        for i, batch in enumerate(batches):
+            r.step(batch, gen, 0.05 * (1 + i / steps), 0.97 - 0.01 * i)
+            per_step.append(r.read_metrics())
+            per_step[-1]["rng_offset"] = int(gen.get_state()[8:16].view(torch.int64).item())
+            r.reset_metrics()
+            per_state.append({**{f"student.{k}": v.float().clone() for k, v in student.state_dict().items()},
+                              **{f"teacher.{k}": v.float().clone() for k, v in r.teacher.state_dict().items()}})
+        losses.append(per_step)
+        states.append(per_state)
+    worst_loss = 0.0
+    for i in range(steps):
+        diffs = sorted(((states[0][i][k] - states[1][i][k]).abs().max().item(), k) for k in states[0][i])[::-1]
+        rel = max(abs(losses[0][i][k] - losses[1][i][k]) / max(abs(losses[0][i][k]), 1e-3) for k in losses[0][i] if k != "rng_offset")
+        worst_loss = max(worst_loss, rel)
+        print(f"  step graph vs eager, step {i + 1}: rng offsets {losses[0][i]['rng_offset']} / "
+              f"{losses[1][i]['rng_offset']}, loss rel diff {rel:.2e}, worst state diffs "
+              + ", ".join(f"{k} {d:.3g}" for d, k in diffs[:3]))
+    diff = max(d.abs().max().item() for d in (states[0][-1][k] - states[1][-1][k] for k in states[0][-1]))
+    return worst_loss < 1e-4 and diff < 1e-4
+
+
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    results = {"losses": check_losses(), "resume": check_resume()}
+    only = sys.argv[1:] or ["losses", "resume", "step_graph"]
+    checks = {"losses": check_losses, "resume": check_resume, "step_graph": check_step_graph,
+              "step_graph_supervised": lambda: check_step_graph(method={})}
+    results = {name: checks[name]() for name in only}
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")
     return 0 if all(results.values()) else 1

@@ -26,16 +26,18 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
-    cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode)
+    cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
+                      args.cuda_graph)
     runner = make_runner(cfg, 10, device)
     data = DeviceData(raw, splits, True, 4, device)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = runner.generator.manual_seed(0)
     it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))
     for _ in range(30):
         runner.step(next(it), gen, 0.05, 0.97)
@@ -50,7 +52,7 @@ def main() -> int:
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
-    print(f"{args.model} {args.method} compile={not args.no_compile}: wall {wall * 1e3:.2f} ms/step "
+    print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}: wall {wall * 1e3:.2f} ms/step "
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))

@@ -56,12 +56,13 @@ def load_images(path: str | None, n_synthetic: int) -> RawDataset:
 
 
 def make_config(model: str, method: str, batch: int, device: str, fast: bool, compile_: bool,
-                compile_mode: str = "reduce-overhead") -> TrainConfig:
+                compile_mode: str = "reduce-overhead", cuda_graph: str = "step") -> TrainConfig:
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": batch, "device": device, "precision": "bf16" if fast else "fp32",
-                  "channels_last": fast, "compile": fast and compile_, "compile_mode": compile_mode},
+                  "channels_last": fast, "compile": fast and compile_, "compile_mode": compile_mode,
+                  "cuda_graph": cuda_graph if fast else "none"},
     })
 
 
@@ -135,9 +136,10 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
     for label, fast in (("fast", True), ("conventional", False)):
         if label == "conventional" and args.no_baseline:
             continue
-        cfg = make_config(model, method, args.batch, str(device), fast, not args.no_compile, args.compile_mode)
+        cfg = make_config(model, method, args.batch, str(device), fast, not args.no_compile, args.compile_mode,
+                          args.cuda_graph)
         runner = make_runner(cfg, len(raw.class_names), device)
-        gen = torch.Generator(device=device).manual_seed(0)
+        gen = runner.generator.manual_seed(0)
         twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
         total = args.warmup + args.steps
         if fast:
@@ -156,10 +158,10 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
             row[f"{label}_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if fast:
             # FLOPs and roofline of the same step, counted eagerly (op by op) on one batch
-            eager = make_runner(make_config(model, method, args.batch, str(device), True, False),
+            eager = make_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none"),
                                 len(raw.class_names), device)
             batch = next(iter(DeviceData(raw, splits, True, 4, device).train_batches(1, 0, args.batch, 1, twice)))
-            cost = measure_step_cost(lambda: eager.step(batch, gen, 0.05, 0.97),
+            cost = measure_step_cost(lambda: eager.step(batch, eager.generator.manual_seed(0), 0.05, 0.97),
                                      peaks[1] if peaks else 1e15, peaks[2] if peaks else 1e12)
             row["gflop_per_step"] = cost.flops / 1e9
             row["tflops"] = cost.flops / sec / 1e12
@@ -220,7 +222,7 @@ def search_mode(args) -> int:
     print(f"# search wall time on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
           f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
           flush=True)
-    extra = [] if args.device != "cpu" else ["--set", "train.device=cpu"]
+    extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}"]
     result = run_search_timed(args.search, args.epochs, args.data, "wrn28_2", args.tiny, extra)
     print_search(result, args.epochs)
     if args.json:
@@ -241,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the conventional pipeline")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"),
+                   help="one CUDA graph per step, torch.compile's graphs per model pass, or none")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps: a smoke run for CI")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "

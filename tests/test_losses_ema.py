@@ -88,3 +88,34 @@ def test_ema_edge_cases_and_tensor_alpha():
     assert torch.equal(teacher.conv.weight, frozen["conv.weight"])
     ema_update_(pairs, torch.tensor(0.0))                   # alpha 0 copies the student
     assert torch.equal(teacher.conv.weight, student.conv.weight)
+
+
+def test_ema_with_device_scalars_matches_host_floats_bit_for_bit():
+    """A captured CUDA-graph step passes alpha and 1 - alpha as 0-dim tensors filled from host floats;
+    the eager step passes floats. Both must give the very same teacher (resume may switch modes)."""
+    torch.manual_seed(2)
+    student = Net()
+    teachers = [make_teacher(student), make_teacher(student)]
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(torch.randn_like(p))
+    for alpha in (0.97, 0.999, 0.3):
+        ema_update_(EmaPairs(teachers[0], student), alpha)
+        ema_update_(EmaPairs(teachers[1], student), torch.tensor(alpha), torch.tensor(1.0 - alpha))
+    for (k, a), b in zip(teachers[0].state_dict().items(), teachers[1].state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_cuda_graph_setting_is_checked_and_cpu_steps_are_never_captured():
+    from trainables.config import TrainConfig
+    from trainables.optim import make_optimizer
+    from trainables.step import StepRunner
+    from trainables.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        TrainConfig.from_dict({"train": {"cuda_graph": "whole"}})
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "mix": {"name": "cowmix"}, "train": {"cuda_graph": "step"}})
+    student = Net()
+    runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 8),
+                        torch.device("cpu"), False)
+    assert runner.step_graph is None and runner.cuda_graph == "none"

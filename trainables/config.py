@@ -123,7 +123,9 @@ class TrainSettings:
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
     compile: bool | None = None       # torch.compile the forward passes; None: on for cuda, off for cpu
-    compile_mode: str = "reduce-overhead"  # torch.compile mode; "reduce-overhead" replays CUDA graphs
+    compile_mode: str = "reduce-overhead"  # torch.compile mode (its CUDA graphs only with cuda_graph: model)
+    cuda_graph: str = "step"          # cuda: "step" = one graph per training step, "model" = compile's own
+                                      # graphs around each model pass, "none"
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 
@@ -139,6 +141,8 @@ class TrainSettings:
               self.precision)
         check(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"be one of {COMPILE_MODES}",
               self.compile_mode)
+        check(self.cuda_graph in ("step", "model", "none"), "train.cuda_graph", "be 'step', 'model' or 'none'",
+              self.cuda_graph)
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
 
 

@@ -74,7 +74,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     run = _trial_run(config.get("tracking"), cfg, data) if rank == 0 else None
     for epoch in range(start, cfg.train.epochs):
         torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))
-        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed + 7919 * rank, epoch, "masks"))
+        gen = runner.generator.manual_seed(stream_seed(cfg.seed + 7919 * rank, epoch, "masks"))
         runner.reset_metrics()
         for i, batch in enumerate(data.train_batches(epoch, cfg.seed + 7919 * rank, cfg.train.batch_size, steps,
                                                      augment_twice)):

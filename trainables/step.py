@@ -18,6 +18,7 @@ from trainables.config import TrainConfig
 from trainables.data import Batch
 from trainables.ssl.ema import EmaPairs, ema_update_
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
+from trainables.step_graph import StepGraph
 
 
 @contextlib.contextmanager
@@ -42,15 +43,25 @@ class StepRunner:
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
         self.device = device
         self.pairs = EmaPairs(teacher, student)
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
+                                       cache_enabled=not (device.type == "cuda" and cfg.train.cuda_graph == "step"))
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
         compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
         mode = cfg.train.compile_mode if device.type == "cuda" else "default"
+        self.cuda_graph = cfg.train.cuda_graph if device.type == "cuda" else "none"
+        if self.cuda_graph == "step" and isinstance(student, nn.parallel.DistributedDataParallel):
+            self.cuda_graph = "model"   # DDP's gradient all-reduce is not captured: graphs per model pass only
+        if self.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
+            mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
         self.compiled = compiled
         self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
         self.student_forward = torch.compile(student, mode=mode) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
+        self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
+        self.step_graph = StepGraph(self) if self.cuda_graph == "step" else None
+        self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -59,7 +70,11 @@ class StepRunner:
             keys += [M.LOSS_CONS, M.CONF_RATE]
         if self.cfg.mix is not None:
             keys += [M.LOSS_MIX, M.MIX_CONF_RATE]
-        self.sums = {k: torch.zeros((), device=self.device) for k in keys}
+        if set(self.sums) == set(keys):
+            for v in self.sums.values():   # in place: a captured step graph adds into these tensors
+                v.zero_()
+        else:
+            self.sums = {k: torch.zeros((), device=self.device) for k in keys}
         self.count = 0
 
     def read_metrics(self) -> dict[str, float]:
@@ -115,6 +130,8 @@ class StepRunner:
 
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """One optimiser step and one teacher update."""
+        if self.step_graph is not None:
+            return self.step_graph.step(batch, gen, lr, alpha)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.graphs:

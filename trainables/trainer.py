@@ -31,8 +31,8 @@ from trainables.validation import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: they do not change the arithmetic.
-RESUME_FREE = ("train.device", "train.compile", "train.threads", "train.eval_batch_size", "data.workers",
-               "data.root", "data.download")
+RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
+               "train.eval_batch_size", "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
 
@@ -140,14 +140,15 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
-        f"{' + CUDA graphs' if runner.graphs else ''}, {cfg.train.epochs} epochs x {steps_per_epoch} steps")
+        f"{' + CUDA graphs' if runner.graphs else ''}{' + one CUDA graph per step' if runner.step_graph else ''}, "
+        f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
 
     split = cfg.data.eval_split
     fmt = runner.memory_format
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
         torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))  # shake-shake gates, dropout
-        gen = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, epoch, "masks"))
+        gen = runner.generator.manual_seed(stream_seed(cfg.seed, epoch, "masks"))
         runner.reset_metrics()
         t0, t_print = time.monotonic(), time.monotonic()
         batches = data.train_batches(epoch, cfg.seed, cfg.train.batch_size, steps_per_epoch, augment_twice)

@@ -37,13 +37,15 @@ class EmaPairs:
 
 
 @torch.no_grad()
-def ema_update_(pairs: EmaPairs, alpha: float | torch.Tensor) -> None:
-    """teacher <- alpha * teacher + (1 - alpha) * student, in place, in one fused kernel.
+def ema_update_(pairs: EmaPairs, alpha: float | torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
+    """teacher <- alpha * teacher + weight * student, weight = 1 - alpha, in place, in fused calls.
 
-    ``alpha`` may be a 0-dim tensor on the device (no host synchronisation, no recompilation
-    when it changes).
+    ``alpha`` and ``weight`` may be 0-dim tensors on the device, as in a captured CUDA graph (no host
+    synchronisation). Host floats and device scalars filled from the same floats give bit-identical
+    results, so a captured step and an eager one agree exactly.
     """
-    weight = 1.0 - alpha if isinstance(alpha, torch.Tensor) else float(1.0 - alpha)
-    torch._foreach_lerp_(pairs.teacher_float, pairs.student_float, weight)
+    weight = (1.0 - alpha) if weight is None else weight
+    torch._foreach_mul_(pairs.teacher_float, alpha)
+    torch._foreach_add_(pairs.teacher_float, torch._foreach_mul(pairs.student_float, weight))
     for t, s in zip(pairs.teacher_other, pairs.student_other):
         t.copy_(s)

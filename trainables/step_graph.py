@@ -1,0 +1,113 @@
+"""The whole training step as one CUDA graph: losses, backward, optimiser, teacher EMA, metric sums.
+
+Between its compiled model passes, an eager step launches a few hundred small kernels (masks,
+losses, autograd glue, optimiser, EMA, metrics); replaying one graph per step removes those launch
+gaps. The graph is captured at the first step, after warm-up passes (compilation, cuDNN tuning,
+optimiser state) whose effects on the weights, optimiser, batch-norm statistics and random streams
+are undone, so the first real step starts from exactly the state it was given: a fresh run or a
+resumed checkpoint. Per step, the batch is copied into the graph's input buffers and the learning
+rate and teacher alpha into two device scalars; nothing synchronises with the host.
+
+Requirements, met by ``StepRunner``: one mask generator object for the whole run (re-seeded, not
+replaced, each epoch), metric sums zeroed in place, and SGD with a tensor learning rate.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainables.data import Batch
+from trainables.ssl.ema import ema_update_
+
+WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
+
+
+class StepGraph:
+    """Captures and replays ``runner``'s step; ``runner`` is a ``trainables.step.StepRunner``."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: Batch | None = None
+        self.gen: torch.Generator | None = None
+        device = runner.device
+        self.lr = torch.zeros((), device=device)
+        self.alpha = torch.zeros((), device=device)
+        self.weight = torch.zeros((), device=device)   # 1 - alpha, computed on the host as the eager step does
+
+    def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+        if self.graph is None:
+            self._capture(batch, gen)
+        elif gen is not self.gen:
+            raise ValueError("a captured step draws masks from the generator it was captured with: "
+                             "pass runner.generator (re-seed it with manual_seed) instead of a new one")
+        for dst, src in zip(self._tensors(self.inputs), self._tensors(batch)):
+            dst.copy_(src, non_blocking=True)
+        self.lr.fill_(lr)
+        self.alpha.fill_(alpha)
+        self.weight.fill_(1.0 - alpha)
+        self.graph.replay()
+        self.runner.count += 1
+
+    @staticmethod
+    def _tensors(batch: Batch) -> list[torch.Tensor]:
+        same = batch.x_unsup1 is batch.x_unsup0
+        return [batch.x_sup, batch.y_sup, batch.x_unsup0] + ([] if same else [batch.x_unsup1])
+
+    def _body(self, gen: torch.Generator) -> None:
+        r = self.runner
+        loss, stats = r.losses(self.inputs, gen)
+        loss.backward()
+        r.optimizer.step()
+        ema_update_(r.pairs, self.alpha, self.weight)
+        for k, v in stats.items():
+            r.sums[k] += v
+
+    def _capture(self, batch: Batch, gen: torch.Generator) -> None:
+        r = self.runner
+        x_unsup0 = batch.x_unsup0.clone()
+        self.inputs = Batch(batch.x_sup.clone(), batch.y_sup.clone(), x_unsup0,
+                            x_unsup0 if batch.x_unsup1 is batch.x_unsup0 else batch.x_unsup1.clone())
+        for group in r.optimizer.param_groups:
+            group["lr"] = self.lr            # fused SGD reads a device scalar: no host value baked in
+        saved = _snapshot(r, gen)
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_PASSES):
+                r.optimizer.zero_grad(set_to_none=True)
+                self._body(gen)
+        torch.cuda.current_stream(r.device).wait_stream(side)
+        r.optimizer.zero_grad(set_to_none=True)   # backward inside the graph writes the gradients afresh
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(gen)
+        self.gen = gen
+        with torch.cuda.graph(graph):
+            self._body(gen)
+        _restore(r, gen, saved)
+        self.graph = graph
+
+
+def _snapshot(r: Any, gen: torch.Generator) -> dict[str, Any]:
+    momentum = {p: (st["momentum_buffer"].clone() if st.get("momentum_buffer") is not None else None)
+                for p, st in r.optimizer.state.items()}
+    return {"student": [t.clone() for t in r.student.state_dict().values()],
+            "teacher": [t.clone() for t in r.teacher.state_dict().values()],
+            "momentum": momentum, "gen": gen.get_state(), "cuda_rng": torch.cuda.get_rng_state(r.device)}
+
+
+@torch.no_grad()
+def _restore(r: Any, gen: torch.Generator, saved: dict[str, Any]) -> None:
+    """Undo the warm-up in place (the graph holds these very tensors)."""
+    for model, key in ((r.student, "student"), (r.teacher, "teacher")):
+        for t, v in zip(model.state_dict().values(), saved[key]):
+            t.copy_(v)
+    for p, st in r.optimizer.state.items():
+        buf, before = st.get("momentum_buffer"), saved["momentum"].get(p)
+        if buf is not None:   # a zero buffer makes SGD's next update m * 0 + grad = grad, as on its first step
+            buf.copy_(before) if before is not None else buf.zero_()
+    gen.set_state(saved["gen"])
+    torch.cuda.set_rng_state(saved["cuda_rng"], r.device)
+    for v in r.sums.values():
+        v.zero_()
