@@ -32,6 +32,8 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
     cmd += ["--smoke-test"] if tiny else ["--set", f"model={model}"]
     if data:
         cmd += ["--data", str(Path(data).resolve())]
+        if not (Path(data) / "cifar-10-batches-py").is_dir():   # a JPEG zip or ImageFolder tree of CIFAR-10
+            cmd += ["--set", "data.dataset=imagefolder"]
     cmd += extra
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # embedded store in `work`
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
