@@ -128,3 +128,23 @@ def test_data_that_a_trial_could_not_read_fails_on_the_driver(tmp_path):
     with pytest.raises(ConfigError, match=r"cifar-10-batches-py.*data\.download=true"):
         check_files(plan("--data", str(tmp_path / "empty")))
     check_files(plan("--data", str(archive), "--set", "data.dataset=imagefolder"))   # readable: no error
+
+
+def test_grace_period_counts_the_images_of_an_imagefolder_zip(tmp_path):
+    """The grace rule's steps per epoch come from the real number of training images (here 600 in a zip,
+    batch 64, holdout 88: 8 steps), not from a guess for an unknown dataset."""
+    import zipfile
+
+    from trainables.config import TrainConfig
+    from trainables.search_settings import grace_rule
+
+    archive = tmp_path / "train.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for i in range(600):
+            z.writestr(f"c{i % 3}/{i}.png", b"")
+    base = TrainConfig.from_dict({"data": {"dataset": "imagefolder", "root": str(archive), "n_val": 88,
+                                           "eval_split": "val"}, "train": {"batch_size": 64}})
+    space = {"teacher": {"alpha": Float(0.9, 0.99)}}
+    # H = 1 / ((1 - 0.99) * 8) = 12.5 epochs; 3 H = 37.5 -> 38 (under a 100-epoch budget)
+    assert grace_rule(base, space, 100) == 38
+    assert grace_rule(base, space, 20) == 20

@@ -202,6 +202,19 @@ def check_source(cfg: "DataConfig") -> None:
             raise _missing_files_error(cfg)
 
 
+TRAIN_SIZES = {"cifar10": 50000, "cifar100": 50000, "svhn": 73257, "digits": 1797}
+
+
+def train_size(cfg: "DataConfig") -> int | None:
+    """Number of training images ``cfg`` names, without decoding any; None when it cannot tell."""
+    if cfg.dataset == "imagefolder":
+        try:
+            return len(_layout(_list_images(os.path.abspath(os.path.expanduser(cfg.root)), cfg.root), cfg.root)[0])
+        except ConfigError:
+            return None
+    return TRAIN_SIZES.get(cfg.dataset)
+
+
 def _torchvision_split(cfg: "DataConfig", make: Callable[[str, bool], object]) -> object:
     root = os.path.expanduser(cfg.root)
     try:

@@ -21,14 +21,13 @@ from typing import Any
 from trainables import intervals
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import check_source
+from trainables.data import check_source, train_size
 from trainables.presets import apply_overrides, read_config_file
 from trainables.validation import ConfigError, check, flatten
 
 METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --preset supplies the rest
 SMOKE = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50, "eval_split": "val"},
          "train": {"epochs": 2, "steps_per_epoch": 3, "batch_size": 16, "eval_batch_size": 256}}
-TRAIN_SIZES = {"cifar10": 50000, "cifar100": 50000, "svhn": 73257}   # for the grace rule when steps are implicit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +95,8 @@ def _sample(spec: tuple, rng: random.Random) -> Any:
 def grace_rule(base: TrainConfig, space: dict[str, Any], epochs: int) -> int:
     alpha = dict(intervals.leaves(space)).get("teacher.alpha")
     alpha_max = alpha.high if isinstance(alpha, intervals.Float) else base.teacher.alpha
-    steps = base.train.steps_per_epoch or max(1, (TRAIN_SIZES.get(base.data.dataset, 25600) - base.data.n_val)
-                                             // base.train.batch_size)
+    n_train = train_size(base.data) or 50000                 # an unreadable root fails later, in check_files
+    steps = base.train.steps_per_epoch or max(1, (n_train - base.data.n_val) // base.train.batch_size)
     horizon = 1.0 / max(1e-9, (1.0 - alpha_max) * steps)
     return min(epochs, max(1, math.ceil(epochs / 4), math.ceil(3 * horizon)))
 
