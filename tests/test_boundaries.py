@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = sorted((ROOT / "trainables" / "ssl").glob("*.py")) + [
-    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "data.py", "models.py", "config.py", "optim.py")
+PURE = sorted((ROOT / "trainables" / "ssl").glob("*.py")) + sorted((ROOT / "trainables" / "data").glob("*.py")) + [
+    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "models.py", "config.py", "optim.py")
 ]
 FORBIDDEN = {"ray", "mlflow", "optuna"}
 

@@ -1,4 +1,4 @@
-"""Tests for trainables/data.py: splits, determinism, augmentation, ImageFolder trees, errors.
+"""Tests for trainables/data/: splits, determinism, augmentation, ImageFolder trees, errors.
 
 CPU only, no network, no dataset files: scikit-learn's digits and tiny PNG trees built in tmp_path.
 """
@@ -16,6 +16,8 @@ from PIL import Image
 
 from trainables import data as D
 from trainables.config import DataConfig
+from trainables.data import image_files
+from trainables.data.batches import _generator
 from trainables.validation import ConfigError
 
 CPU = torch.device("cpu")
@@ -144,13 +146,13 @@ def test_sampling_cycles_labeled_set_and_permutes_unlabeled(digits):
     labeled = set(digits.splits.labeled.tolist())
     seen = [b.y_sup for b in digits.train_batches(0, 1, bs, steps, False)]
     # the order train_batches draws: rebuilt from the same stream to check the sampling itself
-    gen = D._generator(1, 0, "labeled", CPU)
+    gen = _generator(1, 0, "labeled", CPU)
     order = D.epoch_order(torch.from_numpy(digits.splits.labeled), steps * bs, gen).numpy()
     assert set(order.tolist()) == labeled
     counts = np.bincount(order, minlength=1797)[sorted(labeled)]
     assert counts.max() - counts.min() <= 1
     assert torch.equal(torch.cat(seen), digits.labels[torch.from_numpy(order)])
-    unl = D.epoch_order(torch.from_numpy(digits.splits.unlabeled), 1297, D._generator(1, 0, "unlabeled", CPU))
+    unl = D.epoch_order(torch.from_numpy(digits.splits.unlabeled), 1297, _generator(1, 0, "unlabeled", CPU))
     assert sorted(unl.tolist()) == digits.splits.unlabeled.tolist()
 
 
@@ -256,7 +258,7 @@ def test_imagefolder_folder_and_zip_on_device_with_cache(tmp_path, monkeypatch):
 
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded again instead of reading the cache")
-    monkeypatch.setattr(D, "_decode_all", no_decode)
+    monkeypatch.setattr(image_files, "_decode_all", no_decode)   # looked up by _decode_cached there
     again = D.prepare_data(dataclasses.replace(cfg, root=str(zipped)), 0, CPU)
     assert torch.equal(again.images, b.images) and again.split_hashes == b.split_hashes
 

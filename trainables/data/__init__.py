@@ -1,0 +1,81 @@
+"""Datasets, splits and batches for semi-supervised training.
+
+``prepare_data(cfg, labeled_seed, device)`` is the entry point the trainer uses. It loads a
+dataset from the ``DATASETS`` registry, carves the validation holdout and the labeled subset
+(``make_splits``, stratified as in the reference ``small_image_data_source.py``) and returns a
+``TrainData``:
+
+* ``DeviceData`` (small images): the whole decoded uint8 dataset lives on the training device;
+  a batch is one gather that does reflect-pad, random crop and flip at once, then a normalise.
+* ``LoaderData`` (large images, ImageFolder/ImageNet layout): files are read lazily by a
+  DataLoader; inception crop + flip (+ colour jitter) per sample, as in the reference ImageNet
+  pipeline.
+
+Determinism: ``train_batches(epoch, seed, ...)`` is a pure function of the data and its
+arguments. It derives its own generators from (seed, epoch, stream) and never reads the global
+RNG, so a run resumed at an epoch boundary sees the same batches bit-for-bit.
+
+Reference: "Milking CowMask for Semi-Supervised Image Classification", French, Oliver and
+Salimans, arXiv:2003.12022, and its published code (``milking_cowmask/data_sources``).
+
+Modules: ``sources`` (``RawDataset``, the ``DATASETS`` registry and its loaders), ``image_files``
+(ImageFolder trees and zips, decode cache), ``splits`` (``make_splits`` and split hashes),
+``batches`` (``Batch``, ``TrainData``, random streams, normalisation), ``device`` (``DeviceData``)
+and ``loader`` (``LoaderData``). Their public names are re-exported here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from trainables.data.batches import Batch, TrainData, epoch_order, normalise, stream_seed
+from trainables.data.device import DeviceData, crop_flip_params, gather_crops, window_indices
+from trainables.data.image_files import FileImages
+from trainables.data.loader import (EVAL_CROP, INCEPTION_RATIO, INCEPTION_SCALE, LOADER_IMAGE_SIZE, LoaderData,
+                                    eval_view, inception_box, train_view)
+from trainables.data.sources import (DATASETS, NORMALISATION, SMALL_IMAGE_MAX, TORCHVISION_FILES, TRAIN_SIZES,
+                                     Loader, RawDataset, check_source, load_raw, register_dataset, train_size)
+from trainables.data.splits import Splits, make_splits
+from trainables.validation import check
+
+if TYPE_CHECKING:
+    from trainables.config import DataConfig
+
+__all__ = [
+    "Batch", "DATASETS", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
+    "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
+    "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_source", "crop_flip_params", "epoch_order",
+    "eval_view", "gather_crops", "inception_box", "load_raw", "make_splits", "normalise", "prepare_data",
+    "register_dataset", "stream_seed", "train_size", "train_view", "window_indices",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device) -> TrainData:
+    """Load ``cfg.dataset``, split it and return the pipeline for ``device``.
+
+    Args:
+        cfg: the data config. labeled_seed: seed of the labeled subset (``TrainConfig.labeled_seed``).
+        device: the training device; batches are returned there.
+    Raises:
+        ConfigError naming the data.* field at fault (unknown dataset, missing files, bad sizes).
+    """
+    device = torch.device(device)
+    raw = load_raw(cfg)
+    flip = raw.flip if cfg.flip is None else cfg.flip
+    splits = make_splits(raw.train_labels, cfg.n_val, cfg.val_seed, cfg.n_labeled, labeled_seed, raw.fingerprint)
+    check(cfg.eval_split != "test" or raw.test_labels is not None, "data.eval_split",
+          f"be 'val' for dataset '{cfg.dataset}' (it has no test split)", cfg.eval_split)
+    on_device = isinstance(raw.train_images, np.ndarray) and cfg.pipeline != "loader"
+    if on_device:
+        return DeviceData(raw, splits, flip, cfg.pad, device, cfg.image_size)
+    if isinstance(raw.train_images, np.ndarray):
+        size = cfg.image_size or raw.train_images.shape[1]   # in-memory small images: native size
+    else:
+        size = cfg.image_size or LOADER_IMAGE_SIZE
+    return LoaderData(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device)

@@ -1,0 +1,154 @@
+"""``DeviceData``: small images decoded once and kept on the training device as uint8 (N, C, H, W).
+
+A training batch is one gather that does reflect-pad, random crop and flip at once, then a
+normalise; the helpers are vectorised over the batch and do no host syncs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainables.data.batches import (Batch, _check_batching, _check_eval_split, _describe_sizes, _generator,
+                                     _norm_constants, _sizes, epoch_order, normalise)
+from trainables.validation import check
+
+if TYPE_CHECKING:
+    from trainables.data.sources import RawDataset
+    from trainables.data.splits import Splits
+
+
+# ---------------------------------------------------------------------------------------------
+# Augmentation helpers (device side, vectorised over the batch)
+# ---------------------------------------------------------------------------------------------
+
+def crop_flip_params(shape: tuple[int, ...], pad: int, flip: bool,
+                     gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Random crop offsets oy, ox in [0, 2*pad] and flips in {0, 1}, each int64 of ``shape``."""
+    dev = gen.device
+    oy = torch.randint(0, 2 * pad + 1, shape, generator=gen, device=dev)
+    ox = torch.randint(0, 2 * pad + 1, shape, generator=gen, device=dev)
+    flips = torch.randint(0, 2, shape, generator=gen, device=dev) if flip else torch.zeros_like(oy)
+    return oy, ox, flips
+
+
+def window_indices(offset: Tensor, size: int, pad: int, flipped: Tensor | None = None) -> Tensor:
+    """Source coordinates (..., size) of a crop window at ``offset`` in the reflect-padded axis.
+
+    Position j of the window reads padded coordinate offset + j, i.e. source offset + j - pad,
+    mirrored at the borders without repeating the edge (``F.pad(mode='reflect')``). A flipped
+    window reads its positions in reverse. Requires pad < size.
+    """
+    src = offset[..., None] + torch.arange(size, device=offset.device) - pad
+    src = src.abs()
+    src = torch.where(src > size - 1, 2 * (size - 1) - src, src)
+    if flipped is not None:
+        src = torch.where(flipped[..., None].bool(), src.flip(-1), src)
+    return src
+
+
+def gather_crops(images: Tensor, idx: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """Gather crops in one indexing kernel.
+
+    Args:
+        images: (N, C, H, W) contiguous. idx: (B,) image indices.
+        rows: (B, h) source rows per output row. cols: (B, w) source columns per output column.
+    Returns:
+        (B, C, h, w) with out[b, c, i, j] = images[idx[b], c, rows[b, i], cols[b, j]].
+    """
+    _, c, h, w = images.shape
+    chan = torch.arange(c, device=images.device)
+    flat = ((idx[:, None, None, None] * c + chan[None, :, None, None]) * h + rows[:, None, :, None]) * w \
+        + cols[:, None, None, :]                                                  # (B, C, h, w)
+    return images.view(-1)[flat]
+
+
+# ---------------------------------------------------------------------------------------------
+# DeviceData: the whole dataset on the training device
+# ---------------------------------------------------------------------------------------------
+
+class DeviceData:
+    """Small images, decoded once and kept on ``device`` as uint8 (N, C, H, W).
+
+    A training view is reflect pad ``pad`` + random crop back to H x W + optional flip, done as
+    one gather per batch, then normalised. No host syncs inside ``train_batches``.
+    """
+
+    def __init__(self, raw: RawDataset, splits: Splits, flip: bool, pad: int, device: torch.device,
+                 image_size: int | None = None):
+        self.name, self.device, self.flip, self.pad, self.splits = raw.name, device, flip, pad, splits
+        self.images = _to_device_nchw(raw.train_images, image_size, device)            # (N, C, H, W) uint8
+        self.test_images = None if raw.test_images is None else _to_device_nchw(raw.test_images, image_size, device)
+        self.labels = torch.from_numpy(raw.train_labels).to(device)
+        self.test_labels = None if raw.test_labels is None else torch.from_numpy(raw.test_labels).to(device)
+        c, h, w = self.images.shape[1:]
+        check(pad < min(h, w), "data.pad", f"be smaller than the image side ({min(h, w)})", pad)
+        self._index = {k: torch.from_numpy(getattr(splits, k)).to(device) for k in ("val", "labeled", "unlabeled")}
+        self._scale, self._shift = _norm_constants(raw.mean, raw.std, device)
+        self.num_classes, self.class_names = len(raw.class_names), list(raw.class_names)
+        self.image_shape = (int(c), int(h), int(w))
+        self.sizes = _sizes(raw, splits)
+        self.split_hashes = dict(splits.hashes)
+
+    def default_steps_per_epoch(self, batch_size: int) -> int:
+        return max(1, self.sizes["unlabeled"] // batch_size)
+
+    def train_batches(self, epoch: int, seed: int, batch_size: int, steps: int,
+                      augment_twice: bool) -> Iterator[Batch]:
+        """``steps`` batches of ``batch_size`` labeled and unlabeled images for this (epoch, seed)."""
+        _check_batching(batch_size, steps)
+        n, dev = steps * batch_size, self.device
+        sup = epoch_order(self._index["labeled"], n, _generator(seed, epoch, "labeled", dev))
+        unsup = epoch_order(self._index["unlabeled"], n, _generator(seed, epoch, "unlabeled", dev))
+        views = 3 if augment_twice else 2
+        params = crop_flip_params((views, steps, batch_size), self.pad, self.flip,
+                                  _generator(seed, epoch, "augment", dev))        # 3 x (views, steps, B)
+        sup, unsup = sup.view(steps, batch_size), unsup.view(steps, batch_size)
+        return self._iterate(sup, self.labels[sup], unsup, params, augment_twice)
+
+    def _iterate(self, sup: Tensor, y: Tensor, unsup: Tensor, params: tuple[Tensor, Tensor, Tensor],
+                 augment_twice: bool) -> Iterator[Batch]:
+        for s in range(sup.shape[0]):
+            x_sup = self._augment(sup[s], *(p[0, s] for p in params))
+            x_u0 = self._augment(unsup[s], *(p[1, s] for p in params))
+            x_u1 = self._augment(unsup[s], *(p[2, s] for p in params)) if augment_twice else x_u0
+            yield Batch(x_sup, y[s], x_u0, x_u1)
+
+    def _augment(self, idx: Tensor, oy: Tensor, ox: Tensor, flips: Tensor) -> Tensor:
+        """(B,) indices and per-sample params -> (B, C, H, W) float32 normalised views."""
+        _, _, h, w = self.images.shape
+        rows = window_indices(oy, h, self.pad)                                      # (B, H)
+        cols = window_indices(ox, w, self.pad, flips)                               # (B, W)
+        return normalise(gather_crops(self.images, idx, rows, cols), self._scale, self._shift)
+
+    def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """(x (b, C, H, W) float32 normalised, y (b,) int64) in index order; the last batch may be short."""
+        images, labels, idx = self._eval_source(split)
+        check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
+        return ((normalise(images[idx[i:i + batch_size]], self._scale, self._shift), labels[idx[i:i + batch_size]])
+                for i in range(0, len(idx), batch_size))
+
+    def _eval_source(self, split: str) -> tuple[Tensor, Tensor, Tensor]:
+        _check_eval_split(split, self.sizes)
+        if split == "val":
+            return self.images, self.labels, self._index["val"]
+        return self.test_images, self.test_labels, torch.arange(len(self.test_labels), device=self.device)
+
+    def describe(self) -> str:
+        c, h, w = self.image_shape
+        aug = f"reflect pad {self.pad} + random crop{' + flip' if self.flip else ''}"
+        return f"{self.name}: {_describe_sizes(self.sizes)}, {c}x{h}x{w}, device pipeline on {self.device} ({aug})"
+
+
+def _to_device_nchw(images: np.ndarray, size: int | None, device: torch.device) -> Tensor:
+    """uint8 (N, H, W, C) array -> contiguous uint8 (N, C, H, W) on device, resized once if asked."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(device).permute(0, 3, 1, 2).contiguous()
+    if size is None or x.shape[-2:] == (size, size):
+        return x
+    chunks = [F.interpolate(x[i:i + 4096].float(), size=(size, size), mode="bilinear", antialias=True,
+                            align_corners=False).round_().clamp_(0, 255).to(torch.uint8)
+              for i in range(0, len(x), 4096)]
+    return torch.cat(chunks)

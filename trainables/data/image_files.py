@@ -1,0 +1,183 @@
+"""Image files of an ImageFolder tree or a .zip of one: lazy ``FileImages``, listing, the
+train/test/class layout, and the decode cache for small images.
+
+Small images are decoded once into a uint8 array and cached as .npz under $COWTUNE_CACHE
+(default ~/.cache/cowtune); large ones stay files, read one by one through ``FileImages.load``.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+
+from trainables.validation import ConfigError, check
+
+_CACHE_VERSION = "1"
+_IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+_SPLIT_DIRS = ("train", "test", "val")
+
+
+@dataclass(frozen=True, eq=False)
+class FileImages:
+    """Image files of a folder tree or of a .zip, read lazily: ``load(i)`` -> RGB PIL image.
+
+    ``names`` is a numpy string array (not a list) so forked DataLoader workers do not copy it
+    page by page through reference counting.
+    """
+    root: str           # absolute path of the folder or the .zip
+    names: np.ndarray   # (N,) paths relative to root (zip member names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def open(self, i: int) -> Image.Image:
+        """The i-th image, not yet decoded (PIL reads the header only)."""
+        name = str(self.names[i])
+        if os.path.isdir(self.root):
+            return Image.open(os.path.join(self.root, name))
+        return Image.open(io.BytesIO(_zip_handle(self.root).read(name)))
+
+    def load(self, i: int) -> Image.Image:
+        return self.open(i).convert("RGB")
+
+
+_ZIPS: dict[str, tuple[int, zipfile.ZipFile]] = {}
+
+
+def _zip_handle(path: str) -> zipfile.ZipFile:
+    """One open ZipFile per process (DataLoader workers must not share the parent's handle)."""
+    hit = _ZIPS.get(path)
+    if hit is None or hit[0] != os.getpid():
+        hit = (os.getpid(), zipfile.ZipFile(path))
+        _ZIPS[path] = hit
+    return hit[1]
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(_IMAGE_EXTS) and not any(p.startswith(".") for p in name.split("/"))
+
+
+def _list_images(root: str, shown: str) -> list[str]:
+    """Relative paths (with '/') of the image files under a folder or inside a .zip, sorted."""
+    if os.path.isdir(root):
+        out = []
+        for d, _, files in os.walk(root, followlinks=True):
+            rel = os.path.relpath(d, root)
+            out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
+    elif os.path.isfile(root) and zipfile.is_zipfile(root):
+        out = _zip_handle(root).namelist()
+    else:
+        raise ConfigError(f"data.root must be an ImageFolder tree or a .zip of one, got {shown!r} (not found)")
+    out = sorted(n for n in out if _is_image(n))
+    check(len(out) > 0, "data.root", f"hold image files ({', '.join(_IMAGE_EXTS)}) in class folders", shown)
+    return out
+
+
+def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]], list[str]]:
+    """Split image paths into train and test entries (name, class, key) and the sorted class names.
+
+    A common leading folder (e.g. a zip wrapping the tree) is skipped. With a ``train/`` folder,
+    ``test/`` (else ``val/``) is the test split; otherwise every first-level folder is a class.
+    ``key`` is the path below the skipped prefix: the same tree as a folder or a zip gives the same keys.
+    """
+    parts = [n.split("/") for n in names]
+    while (all(len(p) >= 3 for p in parts) and len({p[0] for p in parts}) == 1
+           and parts[0][0] not in _SPLIT_DIRS):
+        parts = [p[1:] for p in parts]
+    entries = [(n, p) for n, p in zip(names, parts) if len(p) >= 2]
+    if any(p[0] == "train" and len(p) >= 3 for _, p in entries):
+        test_dir = "test" if any(p[0] == "test" for _, p in entries) else "val"
+        pick = lambda split: [(n, p[1], "/".join(p)) for n, p in entries if p[0] == split and len(p) >= 3]
+        train, test = pick("train"), pick(test_dir)
+    else:
+        train, test = [(n, p[0], "/".join(p)) for n, p in entries], []
+    check(len(train) > 0, "data.root", "hold images in class folders (<root>/<class>/<image>)", shown)
+    classes = sorted({c for _, c, _ in train})
+    extra = sorted({c for _, c, _ in test} - set(classes))
+    check(not extra, "data.root", f"have no test classes missing from train ({', '.join(extra)})", shown)
+    return train, test, classes
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("COWTUNE_CACHE") or Path.home() / ".cache" / "cowtune")
+
+
+def _source_key(root: str, files: Sequence[FileImages | None]) -> str:
+    """Cache key: absolute path, size and mtime of the zip, or of every listed file of a folder."""
+    st = os.stat(root)
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{root}|{st.st_size}|{st.st_mtime_ns}".encode())
+    if os.path.isdir(root):
+        for fi in files:
+            for name in (fi.names if fi is not None else ()):
+                s = os.stat(os.path.join(root, str(name)))
+                h.update(f"|{name}|{s.st_size}|{s.st_mtime_ns}".encode())
+    for fi in files:
+        h.update(f"|split:{len(fi) if fi is not None else -1}".encode())
+    return h.hexdigest()[:24]
+
+
+def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | None) -> dict[str, np.ndarray]:
+    """Decode every image to uint8 (N, H, W, 3) once; later calls read the .npz cache.
+
+    Returns {"train": ..., "test": ... (when there is a test split), "mean": (3,), "std": (3,)}.
+    """
+    path = _cache_dir() / f"imagefolder-{_source_key(root, (train, test))}.npz"
+    if path.exists():
+        t0 = time.perf_counter()
+        with np.load(path, allow_pickle=False) as z:
+            out = {k: z[k] for k in z.files}
+        print(f"data: loaded {len(out['train'])} decoded images of {shown} from cache {path} "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+        return out
+    t0 = time.perf_counter()
+    out = {"train": _decode_all(train, shown)}
+    if test is not None:
+        out["test"] = _decode_all(test, shown)
+        check(out["test"].shape[1:] == out["train"].shape[1:], "data.root",
+              "hold test images of the training image size", shown)
+    mean, std = _channel_stats(out["train"])
+    out["mean"], out["std"] = np.array(mean), np.array(std)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    np.savez(tmp, **out)
+    os.replace(tmp, path)  # atomic: concurrent trials never read a half-written cache
+    n = len(out["train"]) + (len(out["test"]) if test is not None else 0)
+    print(f"data: decoded {n} images of {shown} in {time.perf_counter() - t0:.1f} s, cached to {path}", flush=True)
+    return out
+
+
+def _decode_all(files: FileImages, shown: str) -> np.ndarray:
+    """(N, H, W, 3) uint8; every image must have the first image's size."""
+    first = np.asarray(files.load(0))
+    out = np.empty((len(files),) + first.shape, dtype=np.uint8)
+    out[0] = first
+    for i in range(1, len(files)):
+        img = files.load(i)
+        if img.size != (first.shape[1], first.shape[0]):
+            raise ConfigError(
+                f"data.root must hold images of one size for the device pipeline (first is "
+                f"{first.shape[1]}x{first.shape[0]}, {files.names[i]} is {img.size[0]}x{img.size[1]}); "
+                f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
+        out[i] = np.asarray(img)
+    return out
+
+
+def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std on the 0..1 scale of uint8 (N, H, W, C), exact via histograms."""
+    values = np.arange(256, dtype=np.float64) / 255.0
+    mean, std = [], []
+    for c in range(images.shape[-1]):
+        counts = np.bincount(images[..., c].ravel(), minlength=256).astype(np.float64)
+        m = float((counts * values).sum() / counts.sum())
+        mean.append(m)
+        std.append(max(float(math.sqrt((counts * (values - m) ** 2).sum() / counts.sum())), 1e-3))
+    return tuple(mean), tuple(std)
