@@ -3,8 +3,8 @@
 Used for ImageNet in ``cowtune final``: one trial = one TorchTrainer whose workers each hold a
 replica of the student (DDP: gradients all-reduced every step) and of the EMA teacher (updated
 from identical student weights, so the replicas stay equal). ``trainer.fit`` is single-process, so
-this module re-assembles its building blocks (data, model, optimiser, StepRunner, evaluate) into a
-DDP loop; epochs, learning-rate schedule and teacher EMA follow ``fit``.
+this module wraps the student in DDP and runs ``trainer.train_epoch`` (the same epoch of steps, random
+streams, learning-rate schedule and teacher EMA as ``fit``) with sharded evaluation and rank-0 checkpoints.
 
 Per step each worker draws its own labeled and unlabeled batches (the data stream is seeded with
 the worker rank), so the global batch is ``world_size x train.batch_size`` and the learning rate is
@@ -25,11 +25,12 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import prepare_data, stream_seed
+from trainables.data import prepare_data
 from trainables.models import create_model
-from trainables.optim import lr_factor, make_optimizer, step_schedule
+from trainables.optim import make_optimizer
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
+from trainables.trainer import train_epoch
 
 STATE = "state.pt"
 
@@ -69,22 +70,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     runner = StepRunner(cfg, replica, teacher, optimizer, device, bf16)
     base_lr = optimizer.param_groups[0]["lr"]
     steps = cfg.train.steps_per_epoch or data.default_steps_per_epoch(global_batch)
-    augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
     split = cfg.data.eval_split
     run = _trial_run(config.get("tracking"), cfg, data) if rank == 0 else None
     for epoch in range(start, cfg.train.epochs):
-        torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))
-        gen = runner.generator.manual_seed(stream_seed(cfg.seed + 7919 * rank, epoch, "masks"))
-        runner.reset_metrics()
-        for i, batch in enumerate(data.train_batches(epoch, cfg.seed + 7919 * rank, cfg.train.batch_size, steps,
-                                                     augment_twice)):
-            runner.step(batch, gen, *step_schedule(cfg, epoch * steps + i, steps, base_lr))
-        metrics = runner.read_metrics()
+        metrics = train_epoch(cfg, runner, data, epoch, steps, base_lr, stream=cfg.seed + 7919 * rank)
         for name, model in (("teacher", teacher), ("student", student)):
             err, loss = _sharded_eval(model, data.eval_batches(split, cfg.train.eval_batch_size), runner, rank, world)
             metrics[M.eval_key(split, "error", name)], metrics[M.eval_key(split, "loss", name)] = err, loss
-        metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps - 1, steps, cfg.optim)
-        metrics.update({M.EPOCH: epoch + 1, M.STEP: (epoch + 1) * steps, "world_size": world})
+        metrics["world_size"] = world
         sums = torch.tensor([sum(float(p.detach().double().sum()) for p in student.parameters())], dtype=torch.float64)
         gathered = [torch.zeros_like(sums) for _ in range(world)]
         dist.all_gather(gathered, sums)

@@ -90,6 +90,34 @@ def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: floa
     return " | ".join(parts)
 
 
+def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: int, steps_per_epoch: int,
+                base_lr: float, stream: int | None = None, log: Callable[[str], None] | None = None
+                ) -> dict[str, float]:
+    """Run one epoch of steps; return its training metrics (means), learning rate, epoch and step.
+
+    The epoch's random streams are re-derived first: the global torch RNG from (seed, epoch) (shake-shake
+    gates, dropout), the data order/augmentation and the masks from (``stream``, epoch); ``stream`` is the
+    run seed, or a per-replica seed in data-parallel training. ``log`` gets a progress line every 15 s.
+    """
+    stream = cfg.seed if stream is None else stream
+    torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))
+    gen = runner.generator.manual_seed(stream_seed(stream, epoch, "masks"))
+    runner.reset_metrics()
+    augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
+    t0 = t_print = time.monotonic()
+    for i, batch in enumerate(data.train_batches(epoch, stream, cfg.train.batch_size, steps_per_epoch, augment_twice)):
+        runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
+        if log is not None and time.monotonic() - t_print > 15:
+            t_print = time.monotonic()
+            rate = (i + 1) / (t_print - t0)
+            log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
+                f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
+    metrics = runner.read_metrics()
+    metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps_per_epoch - 1, steps_per_epoch, cfg.optim)
+    metrics[M.EPOCH], metrics[M.STEP] = epoch + 1, (epoch + 1) * steps_per_epoch
+    return metrics
+
+
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
         log: Callable[[str], None] = _print, restart: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
@@ -127,7 +155,6 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     base_lr = optimizer.param_groups[0]["lr"]
     runner = StepRunner(cfg, student, teacher, optimizer, device, bf16)
     steps_per_epoch = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
-    augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
 
     history: list[dict[str, float]] = []
     start_epoch = 0
@@ -147,35 +174,21 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     fmt = runner.memory_format
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
-        torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))  # shake-shake gates, dropout
-        gen = runner.generator.manual_seed(stream_seed(cfg.seed, epoch, "masks"))
-        runner.reset_metrics()
-        t0, t_print = time.monotonic(), time.monotonic()
-        batches = data.train_batches(epoch, cfg.seed, cfg.train.batch_size, steps_per_epoch, augment_twice)
-        for i, batch in enumerate(batches):
-            runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
-            if time.monotonic() - t_print > 15:
-                t_print = time.monotonic()
-                rate = (i + 1) / (t_print - t0)
-                log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
-                    f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
-        metrics = runner.read_metrics()
+        t0 = time.monotonic()
+        metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log)
         train_time = time.monotonic() - t0
         for name, model in (("teacher", teacher), ("student", student)):
             err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
             metrics[M.eval_key(split, "error", name)] = err
             metrics[M.eval_key(split, "loss", name)] = loss
-        metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps_per_epoch - 1, steps_per_epoch, cfg.optim)
         metrics[M.STEPS_PER_S] = steps_per_epoch / train_time
         metrics[M.IMAGES_PER_S] = steps_per_epoch * cfg.train.batch_size * (2 if cfg.method != "supervised" else 1) / train_time
-        metrics[M.EPOCH] = epoch + 1
-        metrics[M.STEP] = (epoch + 1) * steps_per_epoch
         history.append(metrics)
         _save_atomic({
             "config": cfg.to_dict(), "epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch,
             "student": student.state_dict(), "teacher": teacher.state_dict(),
             "optimizer": optimizer.state_dict(), "history": history, "split_hashes": data.split_hashes,
-            "rng": {"torch": torch.get_rng_state(), "mask_generator": gen.get_state(),
+            "rng": {"torch": torch.get_rng_state(), "mask_generator": runner.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
         }, ckpt_path)
         with open(out / "metrics.jsonl", "w") as f:
