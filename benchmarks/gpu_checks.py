@@ -5,7 +5,9 @@
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
    through, with compilation and CUDA graphs on (deterministic cuDNN).
 3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
-   uncompiled, give the same losses and weights over several steps of the same batches.
+   uncompiled, give the same losses and weights over several steps of the same batches: CowMix and
+   supervised (run on an H200, 2026-11-26: identical), Mean Teacher with two augmentations and CowOut +
+   CowMix together (added after that run; not yet run on a GPU).
 
     python benchmarks/gpu_checks.py
 """
@@ -91,8 +93,10 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
                                        **method}) for c in cfgs]
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     data = prepare_data(cfgs[0].data, 0, device)
-    batches = [Batch(*(t.clone() for t in (b.x_sup, b.y_sup, b.x_unsup0, b.x_unsup1)))
-               for b in data.train_batches(0, 0, 64, steps, False)]
+    twice = cfgs[0].perturb is not None and cfgs[0].perturb.regularizer.augment_twice
+    batches = [Batch(b.x_sup.clone(), b.y_sup.clone(), b.x_unsup0.clone(),
+                     b.x_unsup1.clone() if twice else None) for b in data.train_batches(0, 0, 64, steps, twice)]
+    batches = [b if twice else Batch(b.x_sup, b.y_sup, b.x_unsup0, b.x_unsup0) for b in batches]
     states, losses = [], []
     for cfg in cfgs:
         torch.manual_seed(0)
@@ -122,9 +126,12 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
 
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    only = sys.argv[1:] or ["losses", "resume", "step_graph"]
     checks = {"losses": check_losses, "resume": check_resume, "step_graph": check_step_graph,
-              "step_graph_supervised": lambda: check_step_graph(method={})}
+              "step_graph_supervised": lambda: check_step_graph(method={}),
+              "step_graph_mean_teacher": lambda: check_step_graph(method={"perturb": {"name": "mean_teacher"}}),
+              "step_graph_cowout_cowmix": lambda: check_step_graph(method={"perturb": {"name": "cowout"},
+                                                                          "mix": {"name": "cowmix"}})}
+    only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")

@@ -35,7 +35,8 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
         if not (Path(data) / "cifar-10-batches-py").is_dir():   # a JPEG zip or ImageFolder tree of CIFAR-10
             cmd += ["--set", "data.dataset=imagefolder"]
     cmd += extra
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # embedded store in `work`
+    # embedded MLflow store in `work` and a private local Ray, whatever this shell points at
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     print(f"# search: {' '.join(cmd[1:])}\n# working folder {work}", flush=True)
     t0 = time.perf_counter()

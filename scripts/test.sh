@@ -16,11 +16,16 @@ if [ -n "$missing" ]; then
     if [ ! -e "$policy" ]; then
         printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null && $sudo chmod +x "$policy" && made_policy=1
     fi
-    if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-            --no-install-recommends openssh-server openssh-client rsync netcat-openbsd; } >"$log" 2>&1; then
-        cat "$log" >&2; exit 1
+    wait_lock=(-o DPkg::Lock::Timeout=300)   # a fresh VM may be running unattended upgrades
+    if ! { $sudo apt-get "${wait_lock[@]}" update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get \
+            "${wait_lock[@]}" install -y -qq --no-install-recommends openssh-server openssh-client rsync \
+            netcat-openbsd; } >"$log" 2>&1; then
+        cat "$log" >&2; [ -z "$made_policy" ] || $sudo rm -f "$policy"; exit 1
     fi
     [ -z "$made_policy" ] || $sudo rm -f "$policy"
+    if [ -d /run/systemd/system ]; then   # nor at the next boot: the tests start their own sshd on 127.0.0.1
+        $sudo systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true
+    fi
 fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1

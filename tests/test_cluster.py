@@ -120,6 +120,10 @@ def ssh_node(tmp_path):
     missing = [tool for tool in tools if not shutil.which(tool)]
     if missing or os.geteuid() != 0:
         pytest.fail(f"the launcher test needs root and {missing or 'its tools'}: scripts/test.sh installs them")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.fail("the launcher test runs its node in a PID namespace (`unshare --pid --mount-proc`), which this "
+                    f"machine refuses (an unprivileged container?): {probe.stderr.strip()}")
     d, home = tmp_path / "sshd", tmp_path / "home"
     d.mkdir()
     home.mkdir()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainables.ssl.ema import EmaPairs, ema_update_, make_teacher
+from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight, make_teacher
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
 
 
@@ -101,7 +101,7 @@ def test_ema_with_device_scalars_matches_host_floats_bit_for_bit():
             p.add_(torch.randn_like(p))
     for alpha in (0.97, 0.999, 0.3):
         ema_update_(EmaPairs(teachers[0], student), alpha)
-        ema_update_(EmaPairs(teachers[1], student), torch.tensor(alpha), torch.tensor(1.0 - alpha))
+        ema_update_(EmaPairs(teachers[1], student), torch.tensor(alpha), torch.tensor(ema_weight(alpha)))
     for (k, a), b in zip(teachers[0].state_dict().items(), teachers[1].state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -119,3 +119,14 @@ def test_cuda_graph_setting_is_checked_and_cpu_steps_are_never_captured():
     runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 8),
                         torch.device("cpu"), False)
     assert runner.step_graph is None and runner.cuda_graph == "none"
+
+
+def test_ema_weights_sum_to_one_in_float32():
+    """w = 1 - float32(alpha), so float32(alpha) + w == 1 exactly and a settled teacher is the student,
+    not a scaled copy (w = float32(1 - alpha) misses 1 by up to 1.7e-4 relative at alpha 0.9999)."""
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()   # the float32 value, as an exact double
+    missed = 0
+    for alpha in (0.5, 0.9, 0.97, 0.99, 0.995, 0.999, 0.9995, 0.9999):
+        assert f32(alpha) + f32(ema_weight(alpha)) == 1.0, alpha          # exact sum, in double precision
+        missed += f32(alpha) + f32(1.0 - alpha) != 1.0
+    assert missed > 0   # the naive weight really is off for some of these

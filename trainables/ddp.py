@@ -57,7 +57,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     teacher = make_teacher(student)
     global_batch = cfg.train.batch_size * world
     optimizer = make_optimizer(student, cfg.optim, global_batch)
-    start = 0
+    base_lr, start = optimizer.param_groups[0]["lr"], 0   # before a checkpoint's last scheduled LR replaces it
     checkpoint = ray_train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
@@ -68,7 +68,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     replica = prepare_model(student, move_to_device=False)      # DistributedDataParallel (gloo on CPU, nccl on GPU)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
     runner = StepRunner(cfg, replica, teacher, optimizer, device, bf16)
-    base_lr = optimizer.param_groups[0]["lr"]
     steps = cfg.train.steps_per_epoch or data.default_steps_per_epoch(global_batch)
     split = cfg.data.eval_split
     run = _trial_run(config.get("tracking"), cfg, data) if rank == 0 else None

@@ -126,7 +126,10 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     for p in settings.points:
         extra = set(flatten(p)) - {path for path, _ in intervals.leaves(space)}
         check(not extra, "SearchSettings.points", "set only fields of the search space", sorted(extra))
-        points.append(intervals.encode(space, merge(d, p)))
+        try:
+            points.append(intervals.encode(space, TrainConfig.from_dict(merge(d, p)).to_dict()))
+        except ConfigError as exc:
+            raise ConfigError(f"SearchSettings.points {p} makes an invalid config: {exc}") from None
     rng = random.Random(settings.seed)
     specs = intervals.space_params(space)
     for i in range(settings.validation_samples):

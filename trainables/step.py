@@ -43,9 +43,6 @@ class StepRunner:
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
         self.device = device
         self.pairs = EmaPairs(teacher, student)
-        # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
-                                       cache_enabled=not (device.type == "cuda" and cfg.train.cuda_graph == "step"))
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
         compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
@@ -55,12 +52,15 @@ class StepRunner:
             self.cuda_graph = "model"   # DDP's gradient all-reduce is not captured: graphs per model pass only
         if self.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
             mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+        # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
+                                       cache_enabled=self.cuda_graph != "step")
         self.compiled = compiled
         self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
         self.student_forward = torch.compile(student, mode=mode) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
-        self.step_graph = StepGraph(self) if self.cuda_graph == "step" else None
+        self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
 
@@ -131,7 +131,7 @@ class StepRunner:
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """One optimiser step and one teacher update."""
         if self.step_graph is not None:
-            return self.step_graph.step(batch, gen, lr, alpha)
+            return self.step_graph.step(self, batch, gen, lr, alpha)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.graphs:

@@ -18,27 +18,26 @@ from typing import Any
 import torch
 
 from trainables.data import Batch
-from trainables.ssl.ema import ema_update_
+from trainables.ssl.ema import ema_update_, ema_weight
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
 
 
 class StepGraph:
-    """Captures and replays ``runner``'s step; ``runner`` is a ``trainables.step.StepRunner``."""
+    """Captures and replays a ``trainables.step.StepRunner``'s step; the runner passes itself to each call
+    (the graph keeps no reference to it, so a dropped runner frees the graph's memory pool at once)."""
 
-    def __init__(self, runner: Any):
-        self.runner = runner
+    def __init__(self, device: torch.device):
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: Batch | None = None
         self.gen: torch.Generator | None = None
-        device = runner.device
         self.lr = torch.zeros((), device=device)
         self.alpha = torch.zeros((), device=device)
         self.weight = torch.zeros((), device=device)   # 1 - alpha, computed on the host as the eager step does
 
-    def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+    def step(self, r: Any, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         if self.graph is None:
-            self._capture(batch, gen)
+            self._capture(r, batch, gen)
         elif gen is not self.gen:
             raise ValueError("a captured step draws masks from the generator it was captured with: "
                              "pass runner.generator (re-seed it with manual_seed) instead of a new one")
@@ -46,17 +45,16 @@ class StepGraph:
             dst.copy_(src, non_blocking=True)
         self.lr.fill_(lr)
         self.alpha.fill_(alpha)
-        self.weight.fill_(1.0 - alpha)
+        self.weight.fill_(ema_weight(alpha))
         self.graph.replay()
-        self.runner.count += 1
+        r.count += 1
 
     @staticmethod
     def _tensors(batch: Batch) -> list[torch.Tensor]:
         same = batch.x_unsup1 is batch.x_unsup0
         return [batch.x_sup, batch.y_sup, batch.x_unsup0] + ([] if same else [batch.x_unsup1])
 
-    def _body(self, gen: torch.Generator) -> None:
-        r = self.runner
+    def _body(self, r: Any, gen: torch.Generator) -> None:
         loss, stats = r.losses(self.inputs, gen)
         loss.backward()
         r.optimizer.step()
@@ -64,8 +62,7 @@ class StepGraph:
         for k, v in stats.items():
             r.sums[k] += v
 
-    def _capture(self, batch: Batch, gen: torch.Generator) -> None:
-        r = self.runner
+    def _capture(self, r: Any, batch: Batch, gen: torch.Generator) -> None:
         x_unsup0 = batch.x_unsup0.clone()
         self.inputs = Batch(batch.x_sup.clone(), batch.y_sup.clone(), x_unsup0,
                             x_unsup0 if batch.x_unsup1 is batch.x_unsup0 else batch.x_unsup1.clone())
@@ -77,14 +74,15 @@ class StepGraph:
         with torch.cuda.stream(side):
             for _ in range(WARMUP_PASSES):
                 r.optimizer.zero_grad(set_to_none=True)
-                self._body(gen)
+                self._body(r, gen)
         torch.cuda.current_stream(r.device).wait_stream(side)
         r.optimizer.zero_grad(set_to_none=True)   # backward inside the graph writes the gradients afresh
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(gen)
         self.gen = gen
-        with torch.cuda.graph(graph):
-            self._body(gen)
+        # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._body(r, gen)
         _restore(r, gen, saved)
         self.graph = graph
 

@@ -9,6 +9,7 @@ copied. The teacher is a separate module, kept in eval mode, never swapped into 
 from __future__ import annotations
 
 import copy
+import struct
 
 import torch
 from torch import nn
@@ -36,15 +37,23 @@ class EmaPairs:
         self.student_other = [b for b in s_bufs if not b.is_floating_point()]
 
 
+def ema_weight(alpha: float | torch.Tensor) -> float | torch.Tensor:
+    """1 - alpha as float32 arithmetic needs it: 1 - float32(alpha), so the two weights sum to exactly 1
+    (exact for alpha >= 0.5), and the teacher of a constant student converges to it, not to a scaled copy."""
+    if isinstance(alpha, torch.Tensor):
+        return 1.0 - alpha.float()
+    return 1.0 - struct.unpack("f", struct.pack("f", alpha))[0]
+
+
 @torch.no_grad()
 def ema_update_(pairs: EmaPairs, alpha: float | torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
-    """teacher <- alpha * teacher + weight * student, weight = 1 - alpha, in place, in fused calls.
+    """teacher <- alpha * teacher + weight * student, weight = ``ema_weight(alpha)``, in place, in fused calls.
 
     ``alpha`` and ``weight`` may be 0-dim tensors on the device, as in a captured CUDA graph (no host
     synchronisation). Host floats and device scalars filled from the same floats give bit-identical
     results, so a captured step and an eager one agree exactly.
     """
-    weight = (1.0 - alpha) if weight is None else weight
+    weight = ema_weight(alpha) if weight is None else weight
     torch._foreach_mul_(pairs.teacher_float, alpha)
     torch._foreach_add_(pairs.teacher_float, torch._foreach_mul(pairs.student_float, weight))
     for t, s in zip(pairs.teacher_other, pairs.student_other):
