@@ -123,11 +123,15 @@ def test_data_that_a_trial_could_not_read_fails_on_the_driver(tmp_path):
     def plan(*argv):
         return prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, list(argv)))
 
+    def check(*argv):
+        check_files(plan(*argv), parse_args(mod.SEARCH, list(argv)))
+
     with pytest.raises(ConfigError, match=r"add `--set data\.dataset=imagefolder`"):
-        check_files(plan("--data", str(archive)))
+        check("--data", str(archive))
     with pytest.raises(ConfigError, match=r"cifar-10-batches-py.*data\.download=true"):
-        check_files(plan("--data", str(tmp_path / "empty")))
-    check_files(plan("--data", str(archive), "--set", "data.dataset=imagefolder"))   # readable: no error
+        check("--data", str(tmp_path / "empty"))
+    check("--data", str(archive), "--set", "data.dataset=imagefolder")   # readable: no error
+    check("--data", str(tmp_path / "empty"), "--skip-data-check")        # only the workers hold the data
 
 
 def test_grace_period_counts_the_images_of_an_imagefolder_zip(tmp_path):

@@ -98,7 +98,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     args = parse_args(settings, argv)
     try:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
-        check_files(plan)
+        check_files(plan, args)
     except ConfigError as exc:
         raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
     uri = tracking.resolve_tracking_uri()

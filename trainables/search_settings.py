@@ -75,6 +75,8 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
     p.add_argument("--concurrency", type=int, default=None, help="max trials at once (default: as resources allow)")
     p.add_argument("--cpus-per-trial", type=int, default=1)
     p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")
+    p.add_argument("--skip-data-check", action="store_true",
+                   help="do not look for the data files on this machine (they exist only on the workers)")
     return p.parse_args(argv)
 
 
@@ -156,6 +158,8 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags)
 
 
-def check_files(plan: Plan) -> None:
-    """The data files a trial will read are there (listed, not decoded); raises ConfigError."""
-    check_source(TrainConfig.from_dict(plan.base).data)
+def check_files(plan: Plan, args: argparse.Namespace) -> None:
+    """The data files a trial will read are there (listed, not decoded); raises ConfigError.
+    ``--skip-data-check`` skips this where only the workers hold the data."""
+    if not args.skip_data_check:
+        check_source(TrainConfig.from_dict(plan.base).data)
