@@ -1,4 +1,4 @@
-"""The throughput benchmark runs end to end on CPU with a tiny model (no timing assertions)."""
+"""The throughput benchmark runs end to end on CPU with a tiny model (no timing assertions), in its steps mode and its search mode."""
 import json
 import subprocess
 import sys
@@ -20,3 +20,18 @@ def test_throughput_tiny_cpu(tmp_path):
         assert row["fast_steps_per_s"] > 0 and row["conventional_steps_per_s"] > 0
         assert row["gflop_per_step"] > 0
     assert rows[1]["gflop_per_step"] > rows[0]["gflop_per_step"]  # CowMix adds teacher and mixed passes
+
+
+def test_search_mode_tiny_cpu(tmp_path):
+    """The third mode runs the real search script (Ray Tune, Optuna, ASHA, embedded MLflow) and reads back
+    what every trial did; on CPU with the smoke settings."""
+    out = tmp_path / "search.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cpu", "--tiny",
+                        "--search", "2", "--epochs", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "wall time" in r.stdout and "2 ran all 2 epochs" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["wall_s"] > 0 and len(result["trials"]) == 2
+    assert all(t["epochs"] == 2 and t["status"] == "FINISHED" and 0 <= t["val_error_teacher"] <= 1
+               for t in result["trials"])
