@@ -1,4 +1,5 @@
-"""The throughput benchmark runs end to end on CPU with a tiny model (no timing assertions), in its steps mode and its search mode."""
+"""The throughput benchmark runs end to end on CPU with a tiny model, in its steps mode and its search
+mode (no timing assertions)."""
 import json
 import subprocess
 import sys
