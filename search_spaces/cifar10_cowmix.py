@@ -5,10 +5,10 @@ The objective is the teacher's error on the 5,000-image holdout carved from the 
 """
 from trainables.intervals import Float, Interval
 from trainables.presets import load_config
-from trainables.search import SearchSettings, run_search
+from trainables.search import HOLDOUT, SearchSettings, run_search
 
 # The paper's CowMix setting (Table 1), with a validation holdout instead of the test split.
-BASE = load_config("cifar10_cowmix", ["data.n_val=5000", "data.eval_split=val"])
+BASE = load_config("cifar10_cowmix", HOLDOUT)
 
 SPACE = {
     "mix": {

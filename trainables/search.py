@@ -26,11 +26,11 @@ from ray.tune.search.optuna import OptunaSearch
 
 from trainables import intervals, tracking
 from trainables import metrics as M
-from trainables.search_settings import SearchSettings, check_files, parse_args, prepare_search
+from trainables.search_settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
-__all__ = ["SearchSettings", "run_search"]
+__all__ = ["HOLDOUT", "SearchSettings", "run_search"]
 
 
 class BudgetAwareOptunaSearch(OptunaSearch):

@@ -89,32 +89,34 @@ def _missing_files_error(cfg: "DataConfig", detail: str = "") -> ConfigError:
                        f"({TORCHVISION_FILES.get(cfg.dataset, '?')}), got {cfg.root!r}{detail}{hint}")
 
 
-def check_source(cfg: "DataConfig") -> None:
+TRAIN_SIZES = {"cifar10": 50000, "cifar100": 50000, "svhn": 73257, "digits": 1797}
+
+
+def check_source(cfg: "DataConfig") -> int | None:
     """Cheap check that ``cfg`` names data a loader can read, for a driver before it starts workers.
 
     Lists an ImageFolder tree or zip (no decoding) or looks for torchvision's files; raises ConfigError.
+    Returns the number of training images (None where only the loader can tell).
     """
     if cfg.dataset not in DATASETS:
         raise unknown_name("dataset", cfg.dataset, DATASETS)
     root = os.path.abspath(os.path.expanduser(cfg.root))
     if cfg.dataset == "imagefolder":
-        _layout(_list_images(root, cfg.root), cfg.root)
-    elif cfg.dataset in TORCHVISION_FILES and not cfg.download:
+        return len(_layout(_list_images(root, cfg.root), cfg.root)[0])
+    if cfg.dataset in TORCHVISION_FILES and not cfg.download:
         if not os.path.exists(os.path.join(root, TORCHVISION_FILES[cfg.dataset])):
             raise _missing_files_error(cfg)
-
-
-TRAIN_SIZES = {"cifar10": 50000, "cifar100": 50000, "svhn": 73257, "digits": 1797}
+    return TRAIN_SIZES.get(cfg.dataset)
 
 
 def train_size(cfg: "DataConfig") -> int | None:
     """Number of training images ``cfg`` names, without decoding any; None when it cannot tell."""
-    if cfg.dataset == "imagefolder":
-        try:
-            return len(_layout(_list_images(os.path.abspath(os.path.expanduser(cfg.root)), cfg.root), cfg.root)[0])
-        except ConfigError:
-            return None
-    return TRAIN_SIZES.get(cfg.dataset)
+    if cfg.dataset in TRAIN_SIZES:
+        return TRAIN_SIZES[cfg.dataset]   # known, also before a download
+    try:
+        return check_source(cfg)
+    except ConfigError:
+        return None
 
 
 def _torchvision_split(cfg: "DataConfig", make: Callable[[str, bool], object]) -> object:
