@@ -10,7 +10,7 @@ from ray import tune
 
 from trainables import tracking
 from trainables.final import final_configs, save_table
-from trainables.search import FinishChildRuns, init_ray
+from trainables.experiments import FinishChildRuns, open_experiment
 from trainables.config import TrainConfig
 from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 
@@ -21,16 +21,9 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     promoted = yaml.safe_load(Path(config_path).read_text())
     method = TrainConfig.from_dict(promoted).method
     runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides)   # fails before Ray
-    uri = tracking.resolve_tracking_uri()
-    experiment_id = tracking.ensure_experiment(uri, name)
     storage = storage if "://" in storage else str(Path(storage).resolve())
-    exp_path = f"{storage}/{name}"
-    init_ray()
-    restoring = tune.Tuner.can_restore(exp_path)
-    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
-    parent_id = tracking.start_parent(uri, experiment_id, name, {"cowtune.search": name, "cowtune.final": config_path,
-                                                                  "cowtune.experiment_path": exp_path, "method": method},
-                                      parent.info.run_id if parent else None)
+    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(
+        name, storage, {"cowtune.search": name, "cowtune.final": config_path, "method": method})
     gpus = ray.cluster_resources().get("GPU", 0)
     workers = ddp_workers or max(2, int(gpus))      # ImageNet: data-parallel over this many GPUs (CPU: 2 workers)
     for r in runs:

@@ -15,8 +15,6 @@ e^-3 = 5%; before that a slow teacher would be judged on the weights it started 
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -26,6 +24,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from trainables import intervals, tracking
 from trainables import metrics as M
+from trainables.experiments import FinishChildRuns, open_experiment
 from trainables.search_settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
@@ -61,37 +60,8 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result, error)
 
 
-class FinishChildRuns(tune.Callback):
-    """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training."""
-
-    def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
-        self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
-
-    def _finish(self, trial: Any, status: str) -> None:
-        run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
-        last = int(trial.last_result.get(M.EPOCH, 0))
-        if run_id:
-            tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
-                                                           "cowtune.stopped_early": str(last < self.full_epochs)})
-
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._finish(trial, "FINISHED")
-
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self._finish(trial, "FAILED")
-
-
 def _trial_dirname(trial: Any) -> str:   # not the config: its constants make very long paths
     return f"{trial.trainable_name}_{trial.trial_id}"
-
-
-def init_ray() -> None:
-    """Join RAY_ADDRESS when set (a cluster, `ray job submit`), else start Ray locally on loopback."""
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()
-        else:
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)   # never a stale `ray start`
 
 
 def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
@@ -101,16 +71,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         check_files(plan, args)
     except ConfigError as exc:
         raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
-    uri = tracking.resolve_tracking_uri()
-    experiment_id = tracking.ensure_experiment(uri, plan.name)
-    exp_path = str(Path(plan.storage) / plan.name) if "://" not in plan.storage else f"{plan.storage}/{plan.name}"
-    parent = tracking.find_parent(uri, experiment_id, exp_path)
-    init_ray()
-    restoring = tune.Tuner.can_restore(exp_path)
-    if restoring and parent is not None and parent.data.tags.get("cowtune.fingerprint") != plan.fingerprint:
-        raise SystemExit(f"search {exp_path} exists with other settings; pass --name NEW to start another search")
-    parent_id = tracking.start_parent(uri, experiment_id, plan.name, {**plan.tags, "cowtune.experiment_path": exp_path},
-                                      parent.info.run_id if (restoring and parent is not None) else None)
+    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags)
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}

@@ -1,0 +1,59 @@
+"""Driver-side pieces shared by a search (``trainables.search``) and a final job (``trainables.final_job``):
+start Ray, open or re-open the MLflow parent run and the Ray experiment, close each trial's child run."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+
+from trainables import metrics as M
+from trainables import tracking
+
+
+class FinishChildRuns(tune.Callback):
+    """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training."""
+
+    def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
+        self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
+
+    def _finish(self, trial: Any, status: str) -> None:
+        run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
+        last = int(trial.last_result.get(M.EPOCH, 0))
+        if run_id:
+            tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
+                                                           "cowtune.stopped_early": str(last < self.full_epochs)})
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._finish(trial, "FINISHED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._finish(trial, "FAILED")
+
+
+def init_ray() -> None:
+    """Join RAY_ADDRESS when set (a cluster, `ray job submit`), else start Ray locally on loopback."""
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)   # never a stale `ray start`
+
+
+def open_experiment(name: str, storage: str, tags: dict[str, str]) -> tuple[str, str, str, str, bool]:
+    """The MLflow experiment and parent run and the Ray experiment path of a search or final job: both
+    re-opened when the Ray experiment can be restored. Returns (uri, experiment id, experiment path,
+    parent run id, restoring); refuses to restore one whose ``cowtune.fingerprint`` tag differs."""
+    uri = tracking.resolve_tracking_uri()
+    experiment_id = tracking.ensure_experiment(uri, name)
+    exp_path = f"{storage}/{name}" if "://" in storage else str(Path(storage).resolve() / name)
+    init_ray()
+    restoring = tune.Tuner.can_restore(exp_path)
+    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
+    if parent is not None and parent.data.tags.get("cowtune.fingerprint") != tags.get("cowtune.fingerprint"):
+        raise SystemExit(f"{exp_path} exists with other settings; pass --name NEW to start another run")
+    parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
+                                      parent.info.run_id if parent is not None else None)
+    return uri, experiment_id, exp_path, parent_id, restoring
