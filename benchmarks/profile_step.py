@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
+    torch.backends.cudnn.benchmark = True   # as the trainer does unless train.deterministic
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,

@@ -261,6 +261,7 @@ def main(argv=None) -> int:
         args.models, args.batch, args.steps, args.warmup, args.workers = "cnn_tiny", 16, 3, 1, 0
         args.no_compile, args.epochs = True, 2
     device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"   # as the trainer does unless train.deterministic
     for method in args.methods.split(","):
         if method not in METHODS:
             p.error(f"unknown method {method!r}; known: {', '.join(METHODS)}")
