@@ -56,13 +56,13 @@ def load_images(path: str | None, n_synthetic: int) -> RawDataset:
 
 
 def make_config(model: str, method: str, batch: int, device: str, fast: bool, compile_: bool,
-                compile_mode: str = "reduce-overhead", cuda_graph: str = "step") -> TrainConfig:
+                compile_mode: str = "reduce-overhead", cuda_graph: str = "step", stack: bool = True) -> TrainConfig:
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": batch, "device": device, "precision": "bf16" if fast else "fp32",
                   "channels_last": fast, "compile": fast and compile_, "compile_mode": compile_mode,
-                  "cuda_graph": cuda_graph if fast else "none"},
+                  "cuda_graph": cuda_graph if fast else "none", "stack_student_calls": fast and stack},
     })
 
 
@@ -137,7 +137,7 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
         if label == "conventional" and args.no_baseline:
             continue
         cfg = make_config(model, method, args.batch, str(device), fast, not args.no_compile, args.compile_mode,
-                          args.cuda_graph)
+                          args.cuda_graph, not args.separate_calls)
         runner = make_runner(cfg, len(raw.class_names), device)
         gen = runner.generator.manual_seed(0)
         twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
@@ -158,8 +158,8 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
             row[f"{label}_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if fast:
             # FLOPs and roofline of the same step, counted eagerly (op by op) on one batch
-            eager = make_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none"),
-                                len(raw.class_names), device)
+            eager = make_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none",
+                                            stack=not args.separate_calls), len(raw.class_names), device)
             batch = next(iter(DeviceData(raw, splits, True, 4, device).train_batches(1, 0, args.batch, 1, twice)))
             cost = measure_step_cost(lambda: eager.step(batch, eager.generator.manual_seed(0), 0.05, 0.97),
                                      peaks[1] if peaks else 1e15, peaks[2] if peaks else 1e12)
@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"),
                    help="one CUDA graph per step, torch.compile's graphs per model pass, or none")
+    p.add_argument("--separate-calls", action="store_true",
+                   help="one student call per batch instead of one stacked call (train.stack_student_calls=false)")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps: a smoke run for CI")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "

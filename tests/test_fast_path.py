@@ -1,13 +1,20 @@
 """The compiled fast path computes the same losses and update as the plain eager path (CPU, float32)."""
+import copy
+import dataclasses
+
+import pytest
 import torch
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import prepare_data
+from trainables.data import Batch, prepare_data
 from trainables.models import create_model
 from trainables.optim import make_optimizer
+from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, convert_batch_norm
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
+
+from test_trainer import METHODS
 
 
 def runner(cfg: TrainConfig) -> StepRunner:
@@ -38,3 +45,73 @@ def test_compiled_step_matches_eager_step():
         assert torch.allclose(p, q, atol=1e-4, rtol=1e-3), (name, (p - q).abs().max().item())
     for p, q in zip(eager.teacher.state_dict().values(), fast.teacher.state_dict().values()):
         assert torch.allclose(p.float(), q.float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "supervised"])
+def test_stacked_student_call_matches_separate_calls(method):
+    """One student call over the stacked batches (per-batch BN statistics) = one call per batch.
+
+    In float64: in float32 the two differ by rounding at first (1e-6), which batch norm over 16
+    tiny images amplifies to 1e-3 within a few steps, too loose to tell a real difference."""
+    d = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 30}, **METHODS[method],
+         "train": {"batch_size": 16, "device": "cpu", "precision": "fp32", "compile": False}}
+    for key in ("perturb", "mix"):   # every sample passes the threshold: the unlabeled losses are not 0
+        if d.get(key):
+            d[key] = {**d[key], "conf_thresh": 0.0}
+    separate_cfg = TrainConfig.from_dict({**d, "train": {**d["train"], "stack_student_calls": False}})
+    stacked_cfg = TrainConfig.from_dict(d)
+    data = prepare_data(stacked_cfg.data, 0, torch.device("cpu"))
+    twice = stacked_cfg.perturb is not None and stacked_cfg.perturb.regularizer.augment_twice
+    batches = [Batch(*[t.double() if t.is_floating_point() else t
+                     for t in (getattr(b, f.name) for f in dataclasses.fields(b))])
+               for b in data.train_batches(0, 0, 16, 3, twice)]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        separate, stacked = runner(separate_cfg), runner(stacked_cfg)
+        assert stacked.stacked_bns and separate.stacked_bns is None
+        for batch in batches:
+            for r in (separate, stacked):
+                r.step(batch, r.generator.manual_seed(7), 0.1, 0.9)
+    finally:
+        torch.set_default_dtype(default)
+    a, b = separate.read_metrics(), stacked.read_metrics()
+    assert set(a) == set(b)
+    for key in a:
+        assert abs(a[key] - b[key]) <= 1e-12 * max(1.0, abs(a[key])), (key, a[key], b[key])
+    for model in ("student", "teacher"):
+        sa, sb = getattr(separate, model).state_dict(), getattr(stacked, model).state_dict()
+        for name in sa:
+            assert sa[name].dtype == sb[name].dtype and sa[name].dtype in (torch.float64, torch.int64), name
+            assert torch.allclose(sa[name], sb[name], atol=1e-12, rtol=1e-10), \
+                (model, name, (sa[name] - sb[name]).abs().max().item())
+
+
+def test_segmented_batch_norm_is_separate_calls_with_frozen_segments():
+    torch.manual_seed(0)
+    plain = torch.nn.BatchNorm2d(4)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 2)
+        plain.bias.uniform_(-1, 1)
+    seg = convert_batch_norm(torch.nn.Sequential(copy.deepcopy(plain)))[0]
+    assert isinstance(seg, SegmentedBatchNorm2d)
+    xs = [(torch.randn(n, 4, 5, 5) * (i + 1) + i).requires_grad_() for i, n in enumerate((6, 3, 5))]
+    updates = (True, False, True)
+    outs = []
+    for x, update in zip(xs, updates):
+        plain.momentum = 0.1 if update else 0.0
+        outs.append(plain(x))
+    xs2 = [x.detach().clone().requires_grad_() for x in xs]
+    with batch_segments([seg], tuple((x.shape[0], u) for x, u in zip(xs2, updates))):
+        out = seg(torch.cat(xs2))
+    assert seg.segments is None   # reset after the call
+    assert torch.allclose(out, torch.cat(outs), atol=1e-6)
+    w = torch.randn_like(out)
+    (torch.cat(outs) * w).sum().backward()
+    (out * w).sum().backward()
+    for x, x2 in zip(xs, xs2):
+        assert torch.allclose(x.grad, x2.grad, atol=1e-5)
+    assert torch.allclose(plain.weight.grad, seg.weight.grad, atol=1e-5)
+    for name, v in plain.state_dict().items():
+        assert torch.equal(v, seg.state_dict()[name]) or torch.allclose(v.float(), seg.state_dict()[name].float(),
+                                                                          atol=1e-6), name

@@ -126,6 +126,8 @@ class TrainSettings:
     compile_mode: str = "reduce-overhead"  # torch.compile mode (its CUDA graphs only with cuda_graph: model)
     cuda_graph: str = "step"          # cuda: "step" = one graph per training step, "model" = compile's own
                                       # graphs around each model pass, "none"
+    stack_student_calls: bool = True  # one student call over the labeled, perturbed and mixed batches,
+                                      # each with its own batch-norm statistics (same result, faster)
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 

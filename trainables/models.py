@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from trainables.segmented_bn import convert_batch_norm
 from trainables.validation import unknown_name
 
 MODELS: dict[str, Callable[[int], nn.Module]] = {}
@@ -41,12 +42,15 @@ def register_model(name: str) -> Callable[[Callable[[int], nn.Module]], Callable
 def create_model(name: str, num_classes: int) -> nn.Module:
     """Build a registered model with freshly initialised weights (never downloads anything).
 
+    Batch-norm layers are ``SegmentedBatchNorm2d``: plain batch norm unless a step stacks several
+    batches into one call (``trainables.segmented_bn``).
+
     Raises:
         ConfigError: ``name`` is not registered; the message lists known names and the closest.
     """
     if name not in MODELS:
         raise unknown_name("model", name, MODELS)
-    return MODELS[name](num_classes)
+    return convert_batch_norm(MODELS[name](num_classes))
 
 
 def list_models() -> list[str]:

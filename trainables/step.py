@@ -1,9 +1,11 @@
 """One semi-supervised training step: supervised loss, optional erasure path, optional mix path.
 
 "Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the
-authors' ``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). Each student
-forward is a separate call, so batch-norm statistics are per call. The teacher runs in eval mode
-under ``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
+authors' ``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). The reference
+calls the student once per batch, so batch-norm statistics are per batch; by default the batches
+are stacked into one call whose batch norm keeps per-batch statistics (``trainables.segmented_bn``),
+which gives the same result with fewer, larger kernels. The teacher runs in eval mode under
+``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import nn
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import Batch
+from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
 from trainables.step_graph import StepGraph
@@ -59,6 +62,7 @@ class StepRunner:
         self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
         self.student_forward = torch.compile(student, mode=mode) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
+        self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         self.sums: dict[str, torch.Tensor] = {}
@@ -87,43 +91,57 @@ class StepRunner:
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=self.memory_format)
 
+    def student_logits(self, calls: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """The student's logits for each (input batch, updates BN running stats) in the reference's call
+        order: one stacked call with per-batch batch-norm statistics, or one call each."""
+        if self.stacked_bns is not None and len(calls) > 1:
+            sizes = [x.shape[0] for x, _ in calls]
+            segments = tuple((n, update) for n, (_, update) in zip(sizes, calls))
+            with batch_segments(self.stacked_bns, segments), self.autocast:
+                logits = self.student_forward(self._x(torch.cat([x for x, _ in calls])))
+            return list(logits.split(sizes))
+        out = []
+        for x, update in calls:
+            with (contextlib.nullcontext() if update else frozen_bn_stats(self.student)), self.autocast:
+                out.append(self.student_forward(self._x(x)))
+        return out
+
     def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
         cfg, stats = self.cfg, {}
-        loss = torch.zeros((), device=self.device)
-        if supervised:
-            with self.autocast:
-                logits_sup = self.student_forward(self._x(batch.x_sup))
-            loss_sup = F.cross_entropy(logits_sup.float(), batch.y_sup)
-            stats[M.LOSS_SUP] = loss_sup.detach()
-            stats[M.ERR_SUP] = (logits_sup.argmax(1) != batch.y_sup).float().mean()
-            loss = loss_sup
+        calls = [(batch.x_sup, True)] if supervised else []
         teacher_logits = None
         if cfg.perturb is not None or cfg.mix is not None:
             with torch.no_grad(), self.autocast:
                 teacher_logits = self.teacher_forward(self._x(batch.x_unsup0)).float()
         if cfg.perturb is not None:
+            calls.append((cfg.perturb.regularizer.perturb(batch.x_unsup1, gen), True))
+        if cfg.mix is not None:
+            x0 = batch.x_unsup0
+            x_mixed, blend = cfg.mix.regularizer.mix(x0, torch.roll(x0, shifts=-1, dims=0), gen)
+            # With both paths on, the reference keeps BN running stats from the erasure call only.
+            calls.append((x_mixed, cfg.perturb is None))
+        logits = self.student_logits(calls)
+        loss = torch.zeros((), device=self.device)
+        if supervised:
+            logits_sup = logits.pop(0)
+            loss_sup = F.cross_entropy(logits_sup.float(), batch.y_sup)
+            stats[M.LOSS_SUP] = loss_sup.detach()
+            stats[M.ERR_SUP] = (logits_sup.argmax(1) != batch.y_sup).float().mean()
+            loss = loss_sup
+        if cfg.perturb is not None:
             path = cfg.perturb
-            x_student = path.regularizer.perturb(batch.x_unsup1, gen)
-            with self.autocast:
-                student_logits_perturbed = self.student_forward(self._x(x_student))
             teacher_probs = F.softmax(teacher_logits, dim=1)
             weight, rate = confidence_weight(teacher_probs.max(1).values, path.conf_thresh, path.conf_avg)
-            loss_cons = squared_error(student_logits_perturbed, teacher_probs, weight)
+            loss_cons = squared_error(logits.pop(0), teacher_probs, weight)
             loss = loss + path.weight * loss_cons
             stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
         if cfg.mix is not None:
             path = cfg.mix
-            x0 = batch.x_unsup0
-            x_mixed, blend = path.regularizer.mix(x0, torch.roll(x0, shifts=-1, dims=0), gen)
             teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, path.mix_logits, path.conf_mode)
-            # With both paths on, the reference keeps BN running stats from the erasure call only.
-            freeze = frozen_bn_stats(self.student) if cfg.perturb is not None else contextlib.nullcontext()
-            with freeze, self.autocast:
-                student_logits_mixed = self.student_forward(self._x(x_mixed))
             weight, rate = confidence_weight(confidence, path.conf_thresh, path.conf_avg)
-            loss_mix = squared_error(student_logits_mixed, teacher_probs_mixed, weight)
+            loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, weight)
             loss = loss + path.weight * loss_mix
             stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
         return loss, stats
