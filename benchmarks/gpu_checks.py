@@ -5,9 +5,11 @@
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
    through, with compilation and CUDA graphs on (deterministic cuDNN).
 3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
-   uncompiled, give the same losses and weights over several steps of the same batches: CowMix and
-   supervised (run on an H200, 2026-11-26: identical), Mean Teacher with two augmentations and CowOut +
-   CowMix together (added after that run; not yet run on a GPU).
+   uncompiled, give the same losses and weights over several steps of the same batches: CowMix,
+   supervised, Mean Teacher with two augmentations, and CowOut + CowMix together.
+
+Last run: NVIDIA H100 80GB HBM3, 2026-11-26, torch 2.11.0+cu130: all OK (losses within 0.8%,
+resume and step graph differences 0).
 
     python benchmarks/gpu_checks.py
 """

@@ -157,9 +157,11 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
         if device.type == "cuda":
             row[f"{label}_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if fast:
-            # FLOPs and roofline of the same step, counted eagerly (op by op) on one batch
+            # FLOPs and roofline of the same step, counted eagerly (op by op) on one batch, with one student
+            # call per batch: eagerly, a stacked call's per-batch batch norm adds a concatenation per layer
+            # that the compiled step fuses away, and the roofline should count the work, not our layout of it
             eager = make_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none",
-                                            stack=not args.separate_calls), len(raw.class_names), device)
+                                            stack=False), len(raw.class_names), device)
             batch = next(iter(DeviceData(raw, splits, True, 4, device).train_batches(1, 0, args.batch, 1, twice)))
             cost = measure_step_cost(lambda: eager.step(batch, eager.generator.manual_seed(0), 0.05, 0.97),
                                      peaks[1] if peaks else 1e15, peaks[2] if peaks else 1e12)

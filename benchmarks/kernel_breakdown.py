@@ -1,0 +1,174 @@
+"""Where the GPU time of the student's passes goes, and which layout of them is fastest.
+
+Times forward + backward of the student (no optimiser, no teacher) replayed as one CUDA graph, bf16
+autocast, channels_last, torch.compile: two calls of 256 images (the reference's layout), one call
+of 512 with joint batch norm (a different model, for comparison only), one stacked call of 512 with
+per-batch batch norm (``SegmentedBatchNorm2d``, what the trainer does), and variants; prints ms per
+pass and a profile of kernel classes (cuDNN fprop/dgrad/wgrad, Triton, other).
+
+    python benchmarks/kernel_breakdown.py      # on a GPU; writes kernel_breakdown.json to $OUT or .
+
+Measured output: benchmarks/results/2026-11-26-h100-kernel-breakdown.json.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+import torch
+import torch.nn.functional as F
+from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainables.models import create_model  # noqa: E402
+from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
+
+dev = torch.device("cuda")
+out = {}
+
+
+class GroupVarBN(SegmentedBatchNorm2d):
+    """Per-batch statistics by one grouped var_mean instead of one batch-norm call per batch (slower)."""
+
+    def forward(self, x):
+        if not self.training or self.segments is None:
+            return super().forward(x)
+        g = len(self.segments)
+        xs = x.unflatten(0, (g, -1))
+        var, mean = torch.var_mean(xs.float(), dim=(1, 3, 4), keepdim=True, correction=0)
+        y = (xs - mean) * torch.rsqrt(var + self.eps) * self.weight.view(1, 1, -1, 1, 1) + self.bias.view(1, 1, -1, 1, 1)
+        return y.to(x.dtype).flatten(0, 1)
+
+
+def swap_bn(model, cls):
+    for name, m in model.named_children():
+        if isinstance(m, nn.BatchNorm2d):
+            new = cls(m.num_features, eps=m.eps, momentum=m.momentum).to(dev)
+            new.load_state_dict(m.state_dict())
+            setattr(model, name, new)
+        else:
+            swap_bn(m, cls)
+    return model
+
+
+def timed_graph(fn, iters=60):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters * 1e3, g
+
+
+def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, compile_mode="default", eager=False):
+    torch.manual_seed(0)
+    m = create_model(model_name, 10).to(dev)
+    if bn is not None:
+        swap_bn(m, bn)
+    if cl:
+        m = m.to(memory_format=torch.channels_last)
+    fwd = m if eager else torch.compile(m, mode=compile_mode)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    xa = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
+    xb = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (batch,), device=dev)
+    xab = torch.cat([xa, xb]).contiguous(memory_format=fmt)
+    yab = torch.cat([y, y])
+    bns = [b for b in m.modules() if isinstance(b, SegmentedBatchNorm2d)]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            if mode == "two":
+                loss = F.cross_entropy(fwd(xa).float(), y) + F.cross_entropy(fwd(xb).float(), y)
+            elif mode == "one":
+                loss = F.cross_entropy(fwd(xa).float(), y)
+            elif mode == "teacher":
+                with torch.no_grad():
+                    return fwd(xa)
+            elif mode == "split":
+                with batch_segments(bns, ((batch, True), (batch, True))):
+                    loss = F.cross_entropy(fwd(xab).float(), yab) * 2
+            else:
+                loss = F.cross_entropy(fwd(xab).float(), yab) * 2
+        loss.backward()
+
+    if mode == "teacher":
+        m.eval()
+    ms, g = timed_graph(step)
+    out[name] = ms
+    print(f"{name:50s} {ms:7.3f} ms", flush=True)
+    json.dump(out, open(os.environ.get("OUT", ".") + "/explore.json", "w"), indent=1)
+    return g
+
+
+def profile(name, g, steps=20):
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            g.replay()
+        torch.cuda.synchronize()
+    cats = {}
+    rows = []
+    for e in prof.key_averages():
+        t = e.self_device_time_total / steps
+        if t <= 0:
+            continue
+        n = e.key
+        lo = n.lower()
+        if "wgrad" in lo:
+            c = "conv wgrad"
+        elif "dgrad" in lo:
+            c = "conv dgrad"
+        elif "fprop" in lo or "conv" in lo or "implicit" in lo or "xmma" in lo or "cudnn" in lo:
+            c = "conv fprop/other cudnn"
+        elif lo.startswith("triton") or "triton" in lo:
+            c = "triton"
+        elif "gemm" in lo or "cutlass" in lo:
+            c = "gemm"
+        else:
+            c = "other"
+        cats.setdefault(c, [0.0, 0])
+        cats[c][0] += t
+        cats[c][1] += e.count / steps
+        rows.append((t, e.count / steps, n[:110]))
+    print(f"--- {name}: categories (us/step, kernels/step)")
+    for c, (t, k) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {c:28s} {t:9.1f} us {k:6.0f}")
+    rows.sort(reverse=True)
+    for t, k, n in rows[:30]:
+        print(f"  {t:8.1f} us {k:5.0f}x  {n}")
+    out[name + "_cats"] = cats
+
+
+def main():
+    for bm in (True, False):
+        torch.backends.cudnn.benchmark = bm
+        g = bench(f"wrn two-calls-256 cudnn.benchmark={bm}")
+        if bm:
+            profile("wrn two-calls-256", g)
+    torch.backends.cudnn.benchmark = True
+    bench("wrn one-call-256 (supervised)", mode="one")
+    bench("wrn teacher fwd 256 eval", mode="teacher")
+    g = bench("wrn one-call-512 joint BN", mode="cat")
+    profile("wrn one-call-512 joint BN", g)
+    bench("wrn one-call-512 split BN (native per half + cat)", mode="split")
+    bench("wrn one-call-512 grouped var_mean BN", bn=GroupVarBN, mode="split")
+    bench("wrn two-calls-256 max-autotune-no-cudagraphs", compile_mode="max-autotune-no-cudagraphs")
+    bench("wrn two-calls-256 NCHW", cl=False)
+    g = bench("shake two-calls-256", model_name="wrn26_6_shakeshake")
+    profile("shake two-calls-256", g)
+    bench("shake one-call-512 split BN", model_name="wrn26_6_shakeshake", mode="split")
+    json.dump(out, open(os.environ.get("OUT", ".") + "/explore.json", "w"), indent=1)
+
+
+main()
