@@ -6,7 +6,7 @@ of 512 with joint batch norm (a different model, for comparison only), one stack
 per-batch batch norm (``SegmentedBatchNorm2d``, what the trainer does), and variants; prints ms per
 pass and a profile of kernel classes (cuDNN fprop/dgrad/wgrad, Triton, other).
 
-    python benchmarks/kernel_breakdown.py      # on a GPU; writes kernel_breakdown.json to $OUT or .
+    python benchmarks/kernel_breakdown.py [--quick]   # on a GPU; writes kernel_breakdown.json to $OUT or .
 
 Measured output: benchmarks/results/2026-11-26-h100-kernel-breakdown.json.
 """
@@ -107,7 +107,7 @@ def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, c
     ms, g = timed_graph(step)
     out[name] = ms
     print(f"{name:50s} {ms:7.3f} ms", flush=True)
-    json.dump(out, open(os.environ.get("OUT", ".") + "/explore.json", "w"), indent=1)
+    json.dump(out, open(os.environ.get("OUT", ".") + "/kernel_breakdown.json", "w"), indent=1)
     return g
 
 
@@ -151,6 +151,11 @@ def profile(name, g, steps=20):
 
 
 def main():
+    torch.backends.cudnn.benchmark = True
+    if "--quick" in sys.argv:   # the trainer's layout against the reference's, and where the time goes
+        profile("wrn two-calls-256", bench("wrn two-calls-256"))
+        profile("wrn one-call-512 split BN", bench("wrn one-call-512 split BN (native per half + cat)", mode="split"))
+        return
     for bm in (True, False):
         torch.backends.cudnn.benchmark = bm
         g = bench(f"wrn two-calls-256 cudnn.benchmark={bm}")
@@ -168,7 +173,7 @@ def main():
     g = bench("shake two-calls-256", model_name="wrn26_6_shakeshake")
     profile("shake two-calls-256", g)
     bench("shake one-call-512 split BN", model_name="wrn26_6_shakeshake", mode="split")
-    json.dump(out, open(os.environ.get("OUT", ".") + "/explore.json", "w"), indent=1)
 
 
-main()
+if __name__ == "__main__":
+    main()
