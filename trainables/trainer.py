@@ -31,9 +31,10 @@ from trainables.validation import ConfigError
 
 CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: where and how fast it runs, not what it computes
-# (compile modes and CUDA graphs may pick other kernels: results agree to rounding, not bit for bit).
+# (compile modes, CUDA graphs and stacked student calls may pick other kernels: results agree to rounding,
+# not bit for bit).
 RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
-               "train.eval_batch_size", "data.workers", "data.root", "data.download")
+               "train.stack_student_calls", "train.eval_batch_size", "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
 
