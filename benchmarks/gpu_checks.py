@@ -96,9 +96,10 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     data = prepare_data(cfgs[0].data, 0, device)
     twice = cfgs[0].perturb is not None and cfgs[0].perturb.regularizer.augment_twice
-    batches = [Batch(b.x_sup.clone(), b.y_sup.clone(), b.x_unsup0.clone(),
-                     b.x_unsup1.clone() if twice else None) for b in data.train_batches(0, 0, 64, steps, twice)]
-    batches = [b if twice else Batch(b.x_sup, b.y_sup, b.x_unsup0, b.x_unsup0) for b in batches]
+    batches = []
+    for b in data.train_batches(0, 0, 64, steps, twice):
+        x0 = b.x_unsup0.clone()   # one view: x_unsup1 stays the same object, as the data pipeline gives it
+        batches.append(Batch(b.x_sup.clone(), b.y_sup.clone(), x0, b.x_unsup1.clone() if twice else x0))
     states, losses = [], []
     for cfg in cfgs:
         torch.manual_seed(0)
