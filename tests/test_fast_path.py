@@ -87,7 +87,9 @@ def test_stacked_student_call_matches_separate_calls(method):
                 (model, name, (sa[name] - sb[name]).abs().max().item())
 
 
-def test_segmented_batch_norm_is_separate_calls_with_frozen_segments():
+@pytest.mark.parametrize("sizes", [(6, 3, 5), (4, 4, 4)], ids=["unequal-split", "equal-one-pass"])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memory_format):
     torch.manual_seed(0)
     plain = torch.nn.BatchNorm2d(4)
     with torch.no_grad():
@@ -95,7 +97,7 @@ def test_segmented_batch_norm_is_separate_calls_with_frozen_segments():
         plain.bias.uniform_(-1, 1)
     seg = convert_batch_norm(torch.nn.Sequential(copy.deepcopy(plain)))[0]
     assert isinstance(seg, SegmentedBatchNorm2d)
-    xs = [(torch.randn(n, 4, 5, 5) * (i + 1) + i).requires_grad_() for i, n in enumerate((6, 3, 5))]
+    xs = [(torch.randn(n, 4, 5, 5) * (i + 1) + i).requires_grad_() for i, n in enumerate(sizes)]
     updates = (True, False, True)
     outs = []
     for x, update in zip(xs, updates):
@@ -103,7 +105,7 @@ def test_segmented_batch_norm_is_separate_calls_with_frozen_segments():
         outs.append(plain(x))
     xs2 = [x.detach().clone().requires_grad_() for x in xs]
     with batch_segments([seg], tuple((x.shape[0], u) for x, u in zip(xs2, updates))):
-        out = seg(torch.cat(xs2))
+        out = seg(torch.cat(xs2).contiguous(memory_format=memory_format))
     assert seg.segments is None   # reset after the call
     assert torch.allclose(out, torch.cat(outs), atol=1e-6)
     w = torch.randn_like(out)

@@ -8,6 +8,10 @@ outputs, gradients and running-statistics updates, in call order.
 
     with batch_segments(bns, ((256, True), (256, False))):   # (rows, updates running stats)
         logits = model(torch.cat([x_sup, x_mixed]))
+
+Segments of equal size (the trainer's case: the labeled and unlabeled batches have one size) are
+normalised in one pass over a view of the stack, with batch norm's analytic backward
+(``_EqualSegmentsBatchNorm``); otherwise each segment is a separate ``F.batch_norm`` call.
 """
 from __future__ import annotations
 
@@ -31,12 +35,59 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
             return super().forward(x)
+        sizes = {n for n, _ in self.segments}
+        if len(sizes) == 1 and self.affine and x.dim() == 4:
+            return self._equal_segments(x)
         outs = []
         for part, (_, update) in zip(x.split([n for n, _ in self.segments]), self.segments):
             self.num_batches_tracked.add_(1)   # as a separate call counts, frozen or not
             stats = (self.running_mean, self.running_var) if update else (None, None)
             outs.append(F.batch_norm(part, *stats, self.weight, self.bias, True, self.momentum, self.eps))
         return torch.cat(outs)
+
+    def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
+        s = len(self.segments)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
+        with torch.no_grad():
+            n = x.numel() // (s * self.num_features)
+            var = var * (n / max(n - 1, 1))   # running variance is unbiased, as in F.batch_norm
+            for i, (_, update) in enumerate(self.segments):
+                self.num_batches_tracked.add_(1)
+                if update:
+                    self.running_mean.lerp_(mean[i].to(self.running_mean.dtype), self.momentum)
+                    self.running_var.lerp_(var[i].to(self.running_var.dtype), self.momentum)
+        return y
+
+
+class _EqualSegmentsBatchNorm(torch.autograd.Function):
+    """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
+    over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format). Statistics are computed
+    in float32 at least; returns (y in x's dtype, per-run means (s, C), biased variances (s, C))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, s, eps):
+        xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
+        var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        w, b = (t.to(xs.dtype).view(1, 1, -1, 1, 1) for t in (weight, bias))
+        y = ((xs - mean) * (rstd * w) + b).to(x.dtype).flatten(0, 1)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.s = s
+        return y, mean.view(s, -1), var.view(s, -1)
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        x, weight, mean, rstd = ctx.saved_tensors
+        xs = x.unflatten(0, (ctx.s, -1)).to(mean.dtype)
+        dys = dy.unflatten(0, (ctx.s, -1)).to(mean.dtype)
+        n = xs.numel() // (ctx.s * xs.shape[2])
+        xhat = (xs - mean) * rstd
+        sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
+        sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
+        scale = weight.to(mean.dtype).view(1, 1, -1, 1, 1) * rstd
+        dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
+        return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(weight.dtype),
+                sum_dy.sum((0, 1, 3, 4)).to(weight.dtype), None, None)
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
