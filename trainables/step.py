@@ -60,8 +60,11 @@ class StepRunner:
                                        cache_enabled=self.cuda_graph != "step")
         self.compiled = compiled
         self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
-        self.student_forward = torch.compile(student, mode=mode) if compiled else student
-        self.teacher_forward = torch.compile(teacher, mode=mode) if compiled else teacher
+        # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
+        # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
+        # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
+        self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
+        self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
