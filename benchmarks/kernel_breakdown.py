@@ -1,14 +1,20 @@
-"""Where the GPU time of the student's passes goes, and which layout of them is fastest.
+"""Where the GPU time of a training step goes, and which layout of the student's passes is fastest.
 
-Times forward + backward of the student (no optimiser, no teacher) replayed as one CUDA graph, bf16
-autocast, channels_last, torch.compile: two calls of 256 images (the reference's layout), one call
-of 512 with joint batch norm (a different model, for comparison only), one stacked call of 512 with
-per-batch batch norm (``SegmentedBatchNorm2d``, what the trainer does), and variants; prints ms per
-pass and a profile of kernel classes (cuDNN fprop/dgrad/wgrad, Triton, other).
+Layouts: forward + backward of the student (no optimiser, no teacher) replayed as one CUDA graph, bf16
+autocast, channels_last, torch.compile with static shapes: two calls of 256 images (the reference's
+layout), one call of 512 with joint batch norm (a different model, for comparison only), one stacked
+call of 512 with per-batch batch norm (``SegmentedBatchNorm2d``, what the trainer does: one pass over
+the stack), the same with one batch-norm call per batch and a concatenation, and variants; prints ms
+per pass and a profile of kernel classes (cuDNN fprop/dgrad/wgrad, Triton, other).
 
-    python benchmarks/kernel_breakdown.py [--quick]   # on a GPU; writes kernel_breakdown.json to $OUT or .
+``--step`` profiles the trainer's own captured step instead (``StepRunner`` as ``cowtune train`` builds
+it, synthetic CIFAR-sized images): steps/s, kernel classes and the slowest kernels of one step.
 
-Measured output: benchmarks/results/2026-11-26-h100-kernel-breakdown.json.
+    python benchmarks/kernel_breakdown.py [--quick]                     # on a GPU
+    python benchmarks/kernel_breakdown.py --step [MODEL [METHOD]]       # default wrn28_2 cowmix
+
+Writes kernel_breakdown.json to $OUT or the current folder.
+Measured output: benchmarks/results/2026-11-26-h100-kernel-breakdown*.json.
 """
 import json
 import os
@@ -25,8 +31,14 @@ dev = torch.device("cuda")
 out = {}
 
 
+class SplitBN(SegmentedBatchNorm2d):
+    """Per-batch statistics by one batch-norm call per batch and a concatenation (the trainer before)."""
+
+    _equal_segments = SegmentedBatchNorm2d._split_segments
+
+
 class GroupVarBN(SegmentedBatchNorm2d):
-    """Per-batch statistics by one grouped var_mean instead of one batch-norm call per batch (slower)."""
+    """Per-batch statistics by one grouped var_mean, backward derived by autograd (slower)."""
 
     def forward(self, x):
         if not self.training or self.segments is None:
@@ -67,7 +79,7 @@ def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, c
             b.__class__ = bn
     if cl:
         m = m.to(memory_format=torch.channels_last)
-    fwd = torch.compile(m, mode=compile_mode)
+    fwd = torch.compile(m, mode=compile_mode, dynamic=False)
     fmt = torch.channels_last if cl else torch.contiguous_format
     xa = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
     xb = torch.randn(batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
@@ -100,11 +112,12 @@ def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, c
     return g
 
 
-def profile(name, g, steps=20):
+def profile(name, replay, steps=20):
+    """GPU time per call of ``replay`` by kernel class, and the 30 slowest kernels."""
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            g.replay()
+            replay()
         torch.cuda.synchronize()
     cats = {}
     rows = []
@@ -137,31 +150,60 @@ def profile(name, g, steps=20):
     for t, k, n in rows[:30]:
         print(f"  {t:8.1f} us {k:5.0f}x  {n}")
     out[name + "_cats"] = cats
+    out[name + "_top"] = rows[:30]
+
+
+def step_profile(model_name, method):
+    """The trainer's captured step: steps/s over 100 steps, then the GPU time of 20 by kernel."""
+    import throughput as tp   # the benchmark's config and runner: the step exactly as the trainer builds it
+    from trainables.data import DeviceData, make_splits
+    raw = tp.load_images(None, 8192)
+    splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
+    cfg = tp.make_config(model_name, method, 256, "cuda", True, True)
+    runner = tp.make_runner(cfg, len(raw.class_names), dev)
+    gen = runner.generator.manual_seed(0)
+    twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
+    batches = list(DeviceData(raw, splits, True, 4, dev).train_batches(0, 0, 256, 16, twice))
+    cycle = (batches[i % len(batches)] for i in range(10**9))
+    sec = tp.time_steps(runner, cycle, gen, 15, 100, dev)
+    name = f"step {model_name} {method}"
+    out[name + " steps/s"] = 1 / sec
+    print(f"{name}: {1 / sec:.1f} steps/s ({sec * 1e3:.2f} ms)", flush=True)
+    profile(name, lambda: runner.step(next(cycle), gen, 0.05, 0.97))
+    (Path(os.environ.get("OUT", ".")) / "kernel_breakdown.json").write_text(json.dumps(out, indent=1))
 
 
 def main():
     torch.backends.cudnn.benchmark = True
+    print(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d"), flush=True)
+    out["device"], out["torch"], out["date"] = torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d")
+    if "--step" in sys.argv:
+        args = sys.argv[sys.argv.index("--step") + 1:]
+        step_profile(args[0] if args else "wrn28_2", args[1] if len(args) > 1 else "cowmix")
+        return
     if "--quick" in sys.argv:   # the trainer's layout against the reference's, and where the time goes
-        profile("wrn two-calls-256", bench("wrn two-calls-256"))
-        profile("wrn one-call-512 split BN", bench("wrn one-call-512 split BN (native per half + cat)", mode="split"))
+        profile("wrn two-calls-256", bench("wrn two-calls-256").replay)
+        profile("wrn stacked-512 one-pass BN", bench("wrn stacked-512 one-pass BN", mode="split").replay)
+        profile("wrn stacked-512 split BN", bench("wrn stacked-512 split BN (per batch + cat)", bn=SplitBN,
+                                                   mode="split").replay)
         return
     for bm in (True, False):
         torch.backends.cudnn.benchmark = bm
         g = bench(f"wrn two-calls-256 cudnn.benchmark={bm}")
         if bm:
-            profile("wrn two-calls-256", g)
+            profile("wrn two-calls-256", g.replay)
     torch.backends.cudnn.benchmark = True
     bench("wrn one-call-256 (supervised)", mode="one")
     bench("wrn teacher fwd 256 eval", mode="teacher")
-    g = bench("wrn one-call-512 joint BN", mode="cat")
-    profile("wrn one-call-512 joint BN", g)
-    bench("wrn one-call-512 split BN (native per half + cat)", mode="split")
-    bench("wrn one-call-512 grouped var_mean BN", bn=GroupVarBN, mode="split")
+    profile("wrn one-call-512 joint BN", bench("wrn one-call-512 joint BN", mode="cat").replay)
+    profile("wrn stacked-512 one-pass BN", bench("wrn stacked-512 one-pass BN", mode="split").replay)
+    bench("wrn stacked-512 split BN (per batch + cat)", bn=SplitBN, mode="split")
+    bench("wrn stacked-512 grouped var_mean BN", bn=GroupVarBN, mode="split")
     bench("wrn two-calls-256 max-autotune-no-cudagraphs", compile_mode="max-autotune-no-cudagraphs")
     bench("wrn two-calls-256 NCHW", cl=False)
-    g = bench("shake two-calls-256", model_name="wrn26_6_shakeshake")
-    profile("shake two-calls-256", g)
-    bench("shake one-call-512 split BN", model_name="wrn26_6_shakeshake", mode="split")
+    profile("shake two-calls-256", bench("shake two-calls-256", model_name="wrn26_6_shakeshake").replay)
+    bench("shake stacked-512 one-pass BN", model_name="wrn26_6_shakeshake", mode="split")
+    bench("shake stacked-512 split BN", model_name="wrn26_6_shakeshake", bn=SplitBN, mode="split")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         sizes = {n for n, _ in self.segments}
         if len(sizes) == 1 and self.affine and x.dim() == 4:
             return self._equal_segments(x)
+        return self._split_segments(x)
+
+    def _split_segments(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
         for part, (_, update) in zip(x.split([n for n, _ in self.segments]), self.segments):
             self.num_batches_tracked.add_(1)   # as a separate call counts, frozen or not
