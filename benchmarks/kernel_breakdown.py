@@ -151,6 +151,7 @@ def profile(name, replay, steps=20):
         print(f"  {t:8.1f} us {k:5.0f}x  {n}")
     out[name + "_cats"] = cats
     out[name + "_top"] = rows[:30]
+    (Path(os.environ.get("OUT", ".")) / "kernel_breakdown.json").write_text(json.dumps(out, indent=1))
 
 
 def step_profile(model_name, method):
@@ -170,7 +171,6 @@ def step_profile(model_name, method):
     out[name + " steps/s"] = 1 / sec
     print(f"{name}: {1 / sec:.1f} steps/s ({sec * 1e3:.2f} ms)", flush=True)
     profile(name, lambda: runner.step(next(cycle), gen, 0.05, 0.97))
-    (Path(os.environ.get("OUT", ".")) / "kernel_breakdown.json").write_text(json.dumps(out, indent=1))
 
 
 def main():

@@ -103,9 +103,20 @@ def test_stacked_student_call_matches_separate_calls(method):
                 (model, name, (sa[name] - sb[name]).abs().max().item())
 
 
+def test_segmented_batch_norm_rejects_what_batch_norm_rejects():
+    seg = convert_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))[0]
+    with batch_segments([seg], ((4, True), (4, True))), pytest.raises(RuntimeError, match="split"):
+        seg(torch.randn(10, 3, 2, 2))   # segments that do not cover the batch
+    with batch_segments([seg], ((1, True), (1, False))), pytest.raises(ValueError, match="more than 1 value"):
+        seg(torch.randn(2, 3, 1, 1))    # one value per channel in a segment
+    assert seg.running_var.eq(1).all()
+
+
 @pytest.mark.parametrize("sizes", [(6, 3, 5), (4, 4, 4)], ids=["unequal-split", "equal-one-pass"])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memory_format):
+def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memory_format, monkeypatch):
+    if len(set(sizes)) == 1:   # really the one-pass path
+        monkeypatch.setattr(SegmentedBatchNorm2d, "_split_segments", None)
     torch.manual_seed(0)
     plain = torch.nn.BatchNorm2d(4)
     with torch.no_grad():
@@ -130,5 +141,6 @@ def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memo
     for x, x2 in zip(xs, xs2):
         assert torch.allclose(x.grad, x2.grad, atol=1e-5)
     assert torch.allclose(plain.weight.grad, seg.weight.grad, atol=1e-5)
+    assert torch.allclose(plain.bias.grad, seg.bias.grad, atol=1e-5)
     for name, v in plain.state_dict().items():
         assert torch.allclose(v.float(), seg.state_dict()[name].float(), atol=1e-6), name

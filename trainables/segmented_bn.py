@@ -35,10 +35,16 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
             return super().forward(x)
+        return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
+
+    def _one_pass(self, x: torch.Tensor) -> bool:
+        """Equal segments that cover ``x`` with 2+ values per channel each, on a layer with an affine
+        transform and running statistics (else the split path, whose F.batch_norm raises on bad input)."""
         sizes = {n for n, _ in self.segments}
-        if len(sizes) == 1 and self.affine and x.dim() == 4:
-            return self._equal_segments(x)
-        return self._split_segments(x)
+        rows = next(iter(sizes))
+        return (len(sizes) == 1 and x.dim() == 4 and x.shape[0] == rows * len(self.segments)
+                and rows * x.shape[2] * x.shape[3] > 1 and self.affine and self.track_running_stats
+                and self.momentum is not None)
 
     def _split_segments(self, x: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -53,7 +59,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
         with torch.no_grad():
             n = x.numel() // (s * self.num_features)
-            var = var * (n / max(n - 1, 1))   # running variance is unbiased, as in F.batch_norm
+            var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
             for i, (_, update) in enumerate(self.segments):
                 self.num_batches_tracked.add_(1)
                 if update:
@@ -76,7 +82,9 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         y = ((xs - mean) * (rstd * w) + b).to(x.dtype).flatten(0, 1)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.s = s
-        return y, mean.view(s, -1), var.view(s, -1)
+        stats = mean.view(s, -1), var.view(s, -1)
+        ctx.mark_non_differentiable(*stats)
+        return y, *stats
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
