@@ -63,6 +63,9 @@ class StepRunner:
         # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
         # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
         # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
+        if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
+            # and past the limit Dynamo would quietly run the model eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
