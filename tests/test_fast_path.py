@@ -65,9 +65,11 @@ def test_compiled_step_matches_eager_step(dtype):
                     (model, name, (sa[name] - sb[name]).abs().max().item())
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["split-bn", "one-pass-bn"])
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "supervised"])
-def test_stacked_student_call_matches_separate_calls(method):
-    """One student call over the stacked batches (per-batch BN statistics) = one call per batch.
+def test_stacked_student_call_matches_separate_calls(method, one_pass, monkeypatch):
+    """One student call over the stacked batches (per-batch BN statistics) = one call per batch,
+    with either batch-norm path of the stacked call (one pass is what runs under torch.compile).
 
     In float64: in float32 the two differ by rounding at first (1e-6), which batch norm over 16
     tiny images amplifies to 1e-3 within a few steps, too loose to tell a real difference."""
@@ -76,6 +78,7 @@ def test_stacked_student_call_matches_separate_calls(method):
     for key in ("perturb", "mix"):   # every sample passes the threshold: the unlabeled losses are not 0
         if d.get(key):
             d[key] = {**d[key], "conf_thresh": 0.0}
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", one_pass)
     separate_cfg = TrainConfig.from_dict({**d, "train": {**d["train"], "stack_student_calls": False}})
     stacked_cfg = TrainConfig.from_dict(d)
     data = prepare_data(stacked_cfg.data, 0, torch.device("cpu"))
@@ -103,7 +106,18 @@ def test_stacked_student_call_matches_separate_calls(method):
                 (model, name, (sa[name] - sb[name]).abs().max().item())
 
 
-def test_segmented_batch_norm_rejects_what_batch_norm_rejects():
+def test_one_pass_output_takes_in_place_ops(monkeypatch):
+    """torchvision's ResNets apply ReLU(inplace=True) to batch norm's output."""
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+    seg = convert_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))[0]
+    x = torch.randn(8, 3, 4, 4, requires_grad=True)
+    with batch_segments([seg], ((4, True), (4, True))):
+        seg(x).relu_().sum().backward()
+    assert x.grad.abs().sum() > 0
+
+
+def test_segmented_batch_norm_rejects_what_batch_norm_rejects(monkeypatch):
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
     seg = convert_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))[0]
     with batch_segments([seg], ((4, True), (4, True))), pytest.raises(RuntimeError, match="split"):
         seg(torch.randn(10, 3, 2, 2))   # segments that do not cover the batch
@@ -115,7 +129,8 @@ def test_segmented_batch_norm_rejects_what_batch_norm_rejects():
 @pytest.mark.parametrize("sizes", [(6, 3, 5), (4, 4, 4)], ids=["unequal-split", "equal-one-pass"])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memory_format, monkeypatch):
-    if len(set(sizes)) == 1:   # really the one-pass path
+    if len(set(sizes)) == 1:   # really the one-pass path (eagerly: by default it runs only under torch.compile)
+        monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
         monkeypatch.setattr(SegmentedBatchNorm2d, "_split_segments", None)
     torch.manual_seed(0)
     plain = torch.nn.BatchNorm2d(4)

@@ -9,9 +9,11 @@ outputs, gradients and running-statistics updates, in call order.
     with batch_segments(bns, ((256, True), (256, False))):   # (rows, updates running stats)
         logits = model(torch.cat([x_sup, x_mixed]))
 
-Segments of equal size (the trainer's case: the labeled and unlabeled batches have one size) are
-normalised in one pass over a view of the stack, with batch norm's analytic backward
-(``_EqualSegmentsBatchNorm``); otherwise each segment is a separate ``F.batch_norm`` call.
+Under ``torch.compile``, segments of equal size (the trainer's case: the labeled and unlabeled
+batches have one size) are normalised in one pass over a view of the stack, with batch norm's
+analytic backward (``_EqualSegmentsBatchNorm``), which Inductor fuses into as few kernels as one
+batch norm; otherwise (and eagerly, where the native kernels are faster) each segment is a separate
+``F.batch_norm`` call and the results are concatenated.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     they are (the momentum-0 calls of the reference)."""
 
     segments: Segments | None = None
+    one_pass_eager = False   # the one-pass path also when not compiling (tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
@@ -38,8 +41,11 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
 
     def _one_pass(self, x: torch.Tensor) -> bool:
-        """Equal segments that cover ``x`` with 2+ values per channel each, on a layer with an affine
-        transform and running statistics (else the split path, whose F.batch_norm raises on bad input)."""
+        """Compiling, and equal segments that cover ``x`` with 2+ values per channel each, on a layer
+        with an affine transform and running statistics (else the split path, whose F.batch_norm
+        raises on bad input)."""
+        if not (self.one_pass_eager or torch.compiler.is_compiling()):
+            return False
         sizes = {n for n, _ in self.segments}
         rows = next(iter(sizes))
         return (len(sizes) == 1 and x.dim() == 4 and x.shape[0] == rows * len(self.segments)
@@ -79,7 +85,9 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
         w, b = (t.to(xs.dtype).view(1, 1, -1, 1, 1) for t in (weight, bias))
-        y = ((xs - mean) * (rstd * w) + b).to(x.dtype).flatten(0, 1)
+        # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
+        # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
+        y = ((xs - mean) * (rstd * w) + b).to(x.dtype).flatten(0, 1).clone()
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.s = s
         stats = mean.view(s, -1), var.view(s, -1)
