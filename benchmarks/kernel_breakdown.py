@@ -7,11 +7,9 @@ call of 512 with per-batch batch norm (``SegmentedBatchNorm2d``, what the traine
 the stack), the same with one batch-norm call per batch and a concatenation, and variants; prints ms
 per pass and a profile of kernel classes (cuDNN fprop/dgrad/wgrad, Triton, other).
 
-``--step`` profiles the trainer's own captured step instead (``StepRunner`` as ``cowtune train`` builds
-it, synthetic CIFAR-sized images): steps/s, kernel classes and the slowest kernels of one step.
+The trainer's own step, by the same kernel classes: ``benchmarks/profile_step.py``.
 
     python benchmarks/kernel_breakdown.py [--quick]                     # on a GPU
-    python benchmarks/kernel_breakdown.py --step [MODEL [METHOD]]       # default wrn28_2 cowmix
 
 Writes kernel_breakdown.json to $OUT or the current folder.
 Measured output: benchmarks/results/2026-11-26-h100-kernel-breakdown*.json.
@@ -112,18 +110,14 @@ def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, c
     return g
 
 
-def profile(name, replay, steps=20):
-    """GPU time per call of ``replay`` by kernel class, and the 30 slowest kernels."""
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
+def kernel_classes(events, steps):
+    """GPU time and launches per step by kernel class, and (time, launches, name) per kernel, slowest
+    first, from a profiler's ``key_averages()`` over ``steps`` steps."""
     cats = {}
     rows = []
-    for e in prof.key_averages():
+    for e in events:
         t = e.self_device_time_total / steps
-        if t <= 0:
+        if t <= 0 or e.device_type.name != "CUDA":
             continue
         n = e.key
         lo = n.lower()
@@ -143,44 +137,35 @@ def profile(name, replay, steps=20):
         cats[c][0] += t
         cats[c][1] += e.count / steps
         rows.append((t, e.count / steps, n[:110]))
+    rows.sort(reverse=True)
+    return cats, rows
+
+
+def print_classes(name, cats, rows, top=30):
     print(f"--- {name}: categories (us/step, kernels/step)")
     for c, (t, k) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
         print(f"  {c:28s} {t:9.1f} us {k:6.0f}")
-    rows.sort(reverse=True)
-    for t, k, n in rows[:30]:
+    for t, k, n in rows[:top]:
         print(f"  {t:8.1f} us {k:5.0f}x  {n}")
+
+
+def profile(name, replay, steps=20):
+    """GPU time per call of ``replay`` by kernel class, and the 30 slowest kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    cats, rows = kernel_classes(prof.key_averages(), steps)
+    print_classes(name, cats, rows)
     out[name + "_cats"] = cats
     out[name + "_top"] = rows[:30]
     (Path(os.environ.get("OUT", ".")) / "kernel_breakdown.json").write_text(json.dumps(out, indent=1))
-
-
-def step_profile(model_name, method):
-    """The trainer's captured step: steps/s over 100 steps, then the GPU time of 20 by kernel."""
-    import throughput as tp   # the benchmark's config and runner: the step exactly as the trainer builds it
-    from trainables.data import DeviceData, make_splits
-    raw = tp.load_images(None, 8192)
-    splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
-    cfg = tp.make_config(model_name, method, 256, "cuda", True, True)
-    runner = tp.make_runner(cfg, len(raw.class_names), dev)
-    gen = runner.generator.manual_seed(0)
-    twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
-    batches = list(DeviceData(raw, splits, True, 4, dev).train_batches(0, 0, 256, 16, twice))
-    cycle = (batches[i % len(batches)] for i in range(10**9))
-    sec = tp.time_steps(runner, cycle, gen, 15, 100, dev)
-    name = f"step {model_name} {method}"
-    out[name + " steps/s"] = 1 / sec
-    print(f"{name}: {1 / sec:.1f} steps/s ({sec * 1e3:.2f} ms)", flush=True)
-    profile(name, lambda: runner.step(next(cycle), gen, 0.05, 0.97))
 
 
 def main():
     torch.backends.cudnn.benchmark = True
     print(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d"), flush=True)
     out["device"], out["torch"], out["date"] = torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d")
-    if "--step" in sys.argv:
-        args = sys.argv[sys.argv.index("--step") + 1:]
-        step_profile(args[0] if args else "wrn28_2", args[1] if len(args) > 1 else "cowmix")
-        return
     if "--quick" in sys.argv:   # the trainer's layout against the reference's, and where the time goes
         profile("wrn two-calls-256", bench("wrn two-calls-256").replay)
         profile("wrn stacked-512 one-pass BN", bench("wrn stacked-512 one-pass BN", mode="split").replay)

@@ -1,4 +1,5 @@
-"""Profile the trainer's step on the GPU: where the time goes, GPU busy time vs wall time.
+"""Profile the trainer's step on the GPU: where the time goes (by kernel class: cuDNN fprop, dgrad,
+wgrad, Triton, other; and by kernel), GPU busy time vs wall time.
 
     python benchmarks/profile_step.py --model wrn28_2 --method cowmix [--no-compile] [--trace out.json]
 """
@@ -14,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from throughput import load_images, make_config, make_runner  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
@@ -57,6 +59,7 @@ def main() -> int:
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    print_classes(f"{args.model} {args.method}", *kernel_classes(events, args.steps), top=0)
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0
