@@ -121,14 +121,14 @@ def kernel_classes(events, steps):
             continue
         n = e.key
         lo = n.lower()
-        if "wgrad" in lo:
+        if lo.startswith("triton"):   # first: Inductor names kernels after the ops they fuse ("convolution_backward")
+            c = "triton"
+        elif "wgrad" in lo:
             c = "conv wgrad"
         elif "dgrad" in lo:
             c = "conv dgrad"
         elif "fprop" in lo or "conv" in lo or "implicit" in lo or "xmma" in lo or "cudnn" in lo:
             c = "conv fprop/other cudnn"
-        elif lo.startswith("triton") or "triton" in lo:
-            c = "triton"
         elif "gemm" in lo or "cutlass" in lo:
             c = "gemm"
         else:

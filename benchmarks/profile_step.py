@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=0, help="also list the N slowest kernels with launches per step")
+    p.add_argument("--no-teacher-stream", action="store_true", help="run the teacher on the main stream")
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -39,6 +41,8 @@ def main() -> int:
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
                       args.cuda_graph)
     runner = make_runner(cfg, 10, device)
+    if args.no_teacher_stream:
+        runner.teacher_stream = None
     data = DeviceData(raw, splits, True, 4, device)
     gen = runner.generator.manual_seed(0)
     it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))
@@ -59,7 +63,7 @@ def main() -> int:
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
-    print_classes(f"{args.model} {args.method}", *kernel_classes(events, args.steps), top=0)
+    print_classes(f"{args.model} {args.method}", *kernel_classes(events, args.steps), top=args.top)
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

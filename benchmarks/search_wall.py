@@ -39,7 +39,7 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     print(f"# search: {' '.join(cmd[1:])}\n# working folder {work}", flush=True)
-    t0 = time.perf_counter()
+    t0, launched = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=work, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -51,11 +51,31 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
     rows = []
     for r in children:
         err = r.data.metrics.get(M.VAL_ERROR_TEACHER)
+        # seconds after launch: the trial's MLflow run opened, and each epoch's report
+        history = client.get_metric_history(r.info.run_id, M.STEPS_PER_S)
+        reports = sorted(m.timestamp / 1e3 - launched for m in history)
+        rates = sorted(m.value for m in history)
         rows.append({"trial": r.data.tags.get(TRIAL_TAG, "?"),
                      "epochs": int(r.data.tags.get("cowtune.final_epoch", "0")),
                      "stopped_early": r.data.tags.get("cowtune.stopped_early") == "True",
-                     "val_error_teacher": err, "status": r.info.status})
-    return {"wall_s": wall, "trials": rows, "working_folder": str(work)}
+                     "val_error_teacher": err, "status": r.info.status,
+                     "opened_s": r.info.start_time / 1e3 - launched, "epoch_reports_s": reports,
+                     "steps_per_s_median": rates[len(rates) // 2] if rates else None})
+    return {"wall_s": wall, "trials": rows, "working_folder": str(work), "timeline": timeline(rows, wall)}
+
+
+def timeline(rows: list[dict[str, Any]], wall: float) -> dict[str, float]:
+    """Where the wall time went, from each trial's MLflow timestamps (seconds after launch)."""
+    opened = [r["opened_s"] for r in rows]
+    reports = [r["epoch_reports_s"] for r in rows if r["epoch_reports_s"]]
+    if not opened or not reports:
+        return {}
+    first_epochs = [rep[0] - r["opened_s"] for r, rep in zip((r for r in rows if r["epoch_reports_s"]), reports)]
+    return {"first_trial_opened_s": min(opened),           # Ray start-up, the driver's checks
+            "first_epoch_reported_s": min(rep[0] for rep in reports),
+            "median_open_to_first_epoch_s": sorted(first_epochs)[len(first_epochs) // 2],  # set-up + compile + epoch 1
+            "last_epoch_reported_s": max(rep[-1] for rep in reports),
+            "after_last_report_s": wall - max(rep[-1] for rep in reports)}   # trial shutdown, driver's summary
 
 
 def print_search(result: dict[str, Any], epochs: int) -> None:
@@ -67,6 +87,12 @@ def print_search(result: dict[str, Any], epochs: int) -> None:
     for r in sorted(rows, key=lambda r: (r["val_error_teacher"] is None, r["val_error_teacher"] or 0)):
         err = f"{100 * r['val_error_teacher']:.2f}%" if r["val_error_teacher"] is not None else "-"
         print(f"{r['trial']:>10}  {r['epochs']:>6}  {'yes' if r['stopped_early'] else 'no':>9}  {err:>17}  {r['status']}")
+    t = result.get("timeline") or {}
+    if t:
+        print(f"\ntimeline: first trial opened at {t['first_trial_opened_s']:.0f} s, first epoch reported at "
+              f"{t['first_epoch_reported_s']:.0f} s (a trial's set-up, compilation and first epoch: median "
+              f"{t['median_open_to_first_epoch_s']:.0f} s), last epoch reported at {t['last_epoch_reported_s']:.0f} s, "
+              f"exit {t['after_last_report_s']:.0f} s later")
     print(f"\nwall time {result['wall_s'] / 60:.1f} min for {len(rows)} trials: {len(full)} ran all {epochs} epochs, "
           f"{len(stopped)} stopped by ASHA, {sum(r['epochs'] for r in rows)} trial-epochs in all"
           + (f"; best holdout error {100 * min(errors):.2f}%" if errors else ""), flush=True)

@@ -36,3 +36,9 @@ def test_search_mode_tiny_cpu(tmp_path):
     assert result["wall_s"] > 0 and len(result["trials"]) == 2
     assert all(t["epochs"] == 2 and t["status"] == "FINISHED" and 0 <= t["val_error_teacher"] <= 1
                for t in result["trials"])
+    # the timeline comes from MLflow's timestamps: two epoch reports per trial, in order, inside the wall time
+    assert all(len(t["epoch_reports_s"]) == 2 and 0 < t["opened_s"] < t["epoch_reports_s"][0]
+               < t["epoch_reports_s"][1] < result["wall_s"] for t in result["trials"])
+    tl = result["timeline"]
+    assert 0 < tl["first_trial_opened_s"] < tl["first_epoch_reported_s"] <= tl["last_epoch_reported_s"] < result["wall_s"]
+    assert "timeline: first trial opened at" in r.stdout

@@ -70,6 +70,10 @@ class StepRunner:
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
+        # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
+        # masks and the student's forward, and the main stream waits for it before the losses.
+        # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
+        self.teacher_stream = torch.cuda.Stream(device) if device.type == "cuda" and not self.graphs else None
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
@@ -112,6 +116,20 @@ class StepRunner:
                 out.append(self.student_forward(self._x(x)))
         return out
 
+    def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The teacher's float32 logits (eval mode, no gradient), launched on the teacher's stream if it has one:
+        the caller's stream must wait for that stream before it reads them."""
+        stream = self.teacher_stream
+        if stream is None:
+            with torch.no_grad(), self.autocast:
+                return self.teacher_forward(self._x(x)).float()
+        # The teacher stream starts after all work queued so far (this step's batch, the last EMA update) and
+        # allocates only here: a block it frees is reused by it after its next wait, when the main stream's
+        # reads of the last step's logits are queued before that point.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad(), self.autocast:
+            return self.teacher_forward(self._x(x)).float()
+
     def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
@@ -119,8 +137,7 @@ class StepRunner:
         calls = [(batch.x_sup, True)] if supervised else []
         teacher_logits = None
         if cfg.perturb is not None or cfg.mix is not None:
-            with torch.no_grad(), self.autocast:
-                teacher_logits = self.teacher_forward(self._x(batch.x_unsup0)).float()
+            teacher_logits = self.teacher_logits(batch.x_unsup0)
         if cfg.perturb is not None:
             calls.append((cfg.perturb.regularizer.perturb(batch.x_unsup1, gen), True))
         if cfg.mix is not None:
@@ -129,6 +146,8 @@ class StepRunner:
             # With both paths on, the reference keeps BN running stats from the erasure call only.
             calls.append((x_mixed, cfg.perturb is None))
         logits = self.student_logits(calls)
+        if self.teacher_stream is not None and teacher_logits is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
         loss = torch.zeros((), device=self.device)
         if supervised:
             logits_sup = logits.pop(0)
