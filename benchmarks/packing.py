@@ -3,7 +3,8 @@
 Each trial is the real trainer (``fit``) on GPU-resident data, capped to its share of GPU memory
 with ``torch.cuda.set_per_process_memory_fraction``, as search trials are. Steps/s per trial is
 read from the last epoch (the first includes compilation). Aggregate steps/s is the sum over
-the k trials; the slowdown is the single-trial rate over the mean per-trial rate.
+the k trials ("with eval": over the whole last epoch, its evaluation and checkpoint included);
+the slowdown is the single-trial rate over the mean per-trial rate.
 """
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def measure_packing(train_config: dict[str, Any], ks: list[int], gpus: float) ->
         if len(last) != k or any(r.error for r in results):
             raise RuntimeError(f"packing k={k}: {sum(1 for r in results if r.error)} of {k} trials failed")
         per_trial = [m["train/steps_per_s"] for m in last]
+        steps = train_config["train"]["steps_per_epoch"]   # with each epoch's evaluation and checkpoint
+        with_eval = sum(steps / m["time_this_iter_s"] for m in last)
         rows.append({"k": k, "gpu_fraction": fraction, "aggregate_steps_per_s": sum(per_trial),
+                     "aggregate_with_eval_steps_per_s": with_eval,
                      "per_trial_steps_per_s": sum(per_trial) / k,
                      "peak_mem_gib": max(m.get("peak_mem_gib", 0.0) for m in last), "wall_s": wall})
     base = rows[0]["per_trial_steps_per_s"] if rows and rows[0]["k"] == 1 else None
@@ -72,8 +76,9 @@ def measure_packing(train_config: dict[str, Any], ks: list[int], gpus: float) ->
 
 
 def print_packing(rows: list[dict[str, float]]) -> None:
-    print(f"{'k':>3}  {'GPU share':>9}  {'aggregate steps/s':>17}  {'per trial':>9}  {'slowdown':>8}  "
+    print(f"{'k':>3}  {'GPU share':>9}  {'aggregate steps/s':>17}  {'with eval':>9}  {'per trial':>9}  {'slowdown':>8}  "
           f"{'peak GiB':>8}  {'wall s':>6}")
     for r in rows:
         print(f"{r['k']:>3}  {r['gpu_fraction']:>9.3f}  {r['aggregate_steps_per_s']:>17.1f}  "
+              f"{r['aggregate_with_eval_steps_per_s']:>9.1f}  "
               f"{r['per_trial_steps_per_s']:>9.1f}  {r['slowdown']:>7.2f}x  {r['peak_mem_gib']:>8.2f}  {r['wall_s']:>6.0f}")

@@ -1,9 +1,11 @@
-"""The throughput benchmark runs end to end on CPU with a tiny model, in its steps mode and its search
-mode (no timing assertions)."""
+"""The throughput benchmark runs end to end on CPU with a tiny model, in its steps, packing and search
+modes (no timing assertions)."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +44,19 @@ def test_search_mode_tiny_cpu(tmp_path):
     tl = result["timeline"]
     assert 0 < tl["first_trial_opened_s"] < tl["first_epoch_reported_s"] <= tl["last_epoch_reported_s"] < result["wall_s"]
     assert "timeline: first trial opened at" in r.stdout
+
+
+def test_packing_mode_tiny_cpu(tmp_path):
+    """The second mode runs k real trials at once under Ray Tune for each k and reports their rates."""
+    out = tmp_path / "packing.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cpu", "--tiny",
+                        "--packing", "1,2", "--steps", "4", "--epochs", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["k"] for row in rows] == [1, 2] and [row["gpu_fraction"] for row in rows] == [1.0, 0.5]
+    for row in rows:
+        # an epoch with its evaluation and checkpoint takes longer than its steps alone
+        assert 0 < row["aggregate_with_eval_steps_per_s"] < row["aggregate_steps_per_s"]
+        assert row["per_trial_steps_per_s"] == pytest.approx(row["aggregate_steps_per_s"] / row["k"])
+    assert rows[0]["slowdown"] == pytest.approx(1.0)
