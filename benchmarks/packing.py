@@ -2,9 +2,10 @@
 
 Each trial is the real trainer (``fit``) on GPU-resident data, capped to its share of GPU memory
 with ``torch.cuda.set_per_process_memory_fraction``, as search trials are. Steps/s per trial is
-read from the last epoch (the first includes compilation). Aggregate steps/s is the sum over
-the k trials ("with eval": over the whole last epoch, its evaluation and checkpoint included);
-the slowdown is the single-trial rate over the mean per-trial rate.
+read from the epochs that ran while all k trials were training (Ray starts them seconds apart,
+and the first epoch includes compilation). Aggregate steps/s is the sum over the k trials ("with
+eval": from the wall time between epoch reports, evaluation and checkpoints included); the
+slowdown is the single-trial rate over the mean per-trial rate.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _trial(config: dict[str, Any]) -> None:
 
     def report(epoch, metrics, path):
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        tune.report({**metrics, "peak_mem_gib": peak})
+        tune.report({**metrics, "peak_mem_gib": peak, "wall_time": time.time()})
 
     with tempfile.TemporaryDirectory() as out:
         fit(cfg, out, report=report, data=data, log=lambda s: None)
@@ -59,20 +60,36 @@ def measure_packing(train_config: dict[str, Any], ks: list[int], gpus: float) ->
                              run_config=tune.RunConfig(name=f"packing-k{k}", verbose=0,
                                                        storage_path=f"/tmp/cowtune-packing-{int(t0)}")).fit()
         wall = time.perf_counter() - t0
-        last = [r.metrics for r in results if r.metrics]
-        if len(last) != k or any(r.error for r in results):
+        if any(r.error for r in results) or sum(1 for r in results if r.metrics) != k:
             raise RuntimeError(f"packing k={k}: {sum(1 for r in results if r.error)} of {k} trials failed")
-        per_trial = [m["train/steps_per_s"] for m in last]
-        steps = train_config["train"]["steps_per_epoch"]   # with each epoch's evaluation and checkpoint
-        with_eval = sum(steps / m["time_this_iter_s"] for m in last)
-        rows.append({"k": k, "gpu_fraction": fraction, "aggregate_steps_per_s": sum(per_trial),
-                     "aggregate_with_eval_steps_per_s": with_eval,
-                     "per_trial_steps_per_s": sum(per_trial) / k,
-                     "peak_mem_gib": max(m.get("peak_mem_gib", 0.0) for m in last), "wall_s": wall})
+        rates, rates_with_eval = concurrent_rates([r.metrics_dataframe for r in results],
+                                                  train_config["train"]["steps_per_epoch"], k)
+        rows.append({"k": k, "gpu_fraction": fraction, "aggregate_steps_per_s": sum(rates),
+                     "aggregate_with_eval_steps_per_s": sum(rates_with_eval),
+                     "per_trial_steps_per_s": sum(rates) / k,
+                     "peak_mem_gib": max(r.metrics.get("peak_mem_gib", 0.0) for r in results), "wall_s": wall})
     base = rows[0]["per_trial_steps_per_s"] if rows and rows[0]["k"] == 1 else None
     for row in rows:
         row["slowdown"] = base / row["per_trial_steps_per_s"] if base else float("nan")
     return rows
+
+
+def concurrent_rates(frames: list[Any], steps_per_epoch: int, k: int) -> tuple[list[float], list[float]]:
+    """Each trial's steps/s over the epochs it ran while all k trials were past their first epoch and
+    none had finished (trials start and compile at different times): from its training time alone, and
+    from the wall time between its epoch reports (evaluation and checkpoint included)."""
+    start = max(f["wall_time"].iloc[0] for f in frames)    # every trial has compiled and run an epoch
+    end = min(f["wall_time"].iloc[-1] for f in frames)     # no trial has finished yet
+    rates, with_eval = [], []
+    for f in frames:
+        inside = f[(f["wall_time"] >= start) & (f["wall_time"] <= end)]
+        if len(inside) < 2:
+            raise RuntimeError(f"packing k={k}: the {k} trials overlapped for too few epochs to measure; "
+                               f"pass more --epochs (or --steps)")
+        epochs = inside.iloc[1:]   # epochs that began and ended inside the window
+        rates.append(float(epochs["train/steps_per_s"].mean()))
+        with_eval.append((len(inside) - 1) * steps_per_epoch / float(inside["wall_time"].iloc[-1] - inside["wall_time"].iloc[0]))
+    return rates, with_eval
 
 
 def print_packing(rows: list[dict[str, float]]) -> None:

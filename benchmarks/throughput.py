@@ -258,6 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=3, help="packing and search modes: epochs per trial")
     args = p.parse_args(argv)
     if args.packing:
+        if args.tiny:
+            args.batch = 16
         return packing_mode(args)
     if args.search:
         return search_mode(args)

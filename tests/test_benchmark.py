@@ -50,7 +50,7 @@ def test_packing_mode_tiny_cpu(tmp_path):
     """The second mode runs k real trials at once under Ray Tune for each k and reports their rates."""
     out = tmp_path / "packing.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--device", "cpu", "--tiny",
-                        "--packing", "1,2", "--steps", "4", "--epochs", "2", "--json", str(out)],
+                        "--packing", "1,2", "--steps", "4", "--epochs", "6", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

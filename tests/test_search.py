@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from conftest import ROOT, run_checked, run_search_script
 from trainables import metrics as M
 from trainables.config import TrainConfig
+from trainables.curves import learning_curve_png
 
 pytestmark = pytest.mark.slow
 COWTUNE = [sys.executable, "-m", "trainables.cli"]
@@ -34,7 +35,7 @@ def search(search_env, tmp_path_factory):
     return tmp, out
 
 
-def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server):
+def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server, tmp_path):
     assert "done: 3 trials (0 failed)" in search[1].stdout
     client, parents, children = runs_of(mlflow_server, "e2e")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
@@ -56,6 +57,15 @@ def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_s
         assert not any(k.startswith("test/") for k in c.data.metrics)
         arts = {a.path for a in client.list_artifacts(c.info.run_id)}
         assert {"config.yaml", "masks.png", "learning_curve.png", "checkpoint"} <= arts
+        # The curve is the driver's final one over both epochs (the trial drew only its first: within 30 s)
+        rows = {}
+        for key in c.data.metrics:
+            for m in client.get_metric_history(c.info.run_id, key):
+                rows.setdefault(m.step, {"epoch": m.step})[key] = m.value
+        logged = Path(client.download_artifacts(c.info.run_id, "learning_curve.png", str(tmp_path))).read_bytes()
+        full = learning_curve_png([rows[1], rows[2]], tmp_path / "full.png", c.info.run_name).read_bytes()
+        first = learning_curve_png([rows[1]], tmp_path / "first.png", c.info.run_name).read_bytes()
+        assert logged == full != first
     # Data are loaded once per worker process: with one trial at a time the actor is reused.
     assert len({c.data.tags["worker.pid"] for c in ordered}) == 1
     assert [c.data.tags["worker.data_cache_hit"] for c in ordered] == ["False", "True", "True"]

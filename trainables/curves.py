@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+CURVE_FILE = "learning_curve.png"
+
 
 def learning_curve_png(history: list[dict[str, float]], path: Path, title: str) -> Path:
     """Every val/* and train/loss_* metric against the epoch, as a PNG (matplotlib, Agg)."""

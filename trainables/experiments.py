@@ -3,6 +3,8 @@ start Ray, open or re-open the MLflow parent run and the Ray experiment, close e
 from __future__ import annotations
 
 import os
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +13,12 @@ from ray import tune
 
 from trainables import metrics as M
 from trainables import tracking
+from trainables.curves import CURVE_FILE, learning_curve_png
 
 
 class FinishChildRuns(tune.Callback):
-    """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training."""
+    """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training, after drawing its
+    final learning curve from what MLflow recorded (a trial redraws its own at most every few seconds)."""
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
         self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
@@ -23,6 +27,7 @@ class FinishChildRuns(tune.Callback):
         run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
         last = int(trial.last_result.get(M.EPOCH, 0))
         if run_id:
+            final_curve(self.uri, run_id)
             tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
                                                            "cowtune.stopped_early": str(last < self.full_epochs)})
 
@@ -31,6 +36,17 @@ class FinishChildRuns(tune.Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._finish(trial, "FAILED")
+
+
+def final_curve(uri: str, run_id: str) -> None:
+    """Log the run's learning curve over every epoch MLflow has; a failure only warns (the metrics are there)."""
+    try:
+        name, rows = tracking.epoch_rows(uri, run_id)
+        if rows:
+            with tempfile.TemporaryDirectory() as d:
+                tracking.log_run_artifact(uri, run_id, learning_curve_png(rows, Path(d) / CURVE_FILE, name))
+    except Exception as e:   # noqa: BLE001 - a plot must never end a search
+        warnings.warn(f"learning curve of MLflow run {run_id} not drawn: {type(e).__name__}: {e}", stacklevel=1)
 
 
 def init_ray() -> None:
