@@ -225,6 +225,8 @@ def search_mode(args) -> int:
           f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
           flush=True)
     extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}"]
+    if args.concurrency:
+        extra += ["--concurrency", str(args.concurrency)]
     result = run_search_timed(args.search, args.epochs, args.data, "wrn28_2", args.tiny, extra)
     print_search(result, args.epochs)
     if args.json:
@@ -256,6 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--search", type=int, metavar="N", help="search mode: run the CowMix search script with N "
                    "WRN-28-2 trials (Ray Tune, Optuna, ASHA, MLflow) and print its wall time")
     p.add_argument("--epochs", type=int, default=3, help="packing and search modes: epochs per trial")
+    p.add_argument("--concurrency", type=int, help="search mode: trials at once (default: as many as the "
+                   "trainable's GPU fraction lets share a GPU)")
     args = p.parse_args(argv)
     if args.packing:
         if args.tiny:
