@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
@@ -18,7 +19,7 @@ from trainables.curves import CURVE_FILE, learning_curve_png
 
 class FinishChildRuns(tune.Callback):
     """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training, after drawing its
-    final learning curve from what MLflow recorded (a trial redraws its own at most every few seconds)."""
+    final learning curve from what MLflow recorded (a trial redraws its own at most every 30 s)."""
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
         self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
@@ -41,12 +42,23 @@ class FinishChildRuns(tune.Callback):
 def final_curve(uri: str, run_id: str) -> None:
     """Log the run's learning curve over every epoch MLflow has; a failure only warns (the metrics are there)."""
     try:
-        name, rows = tracking.epoch_rows(uri, run_id)
+        name, rows = epoch_rows(uri, run_id)
         if rows:
             with tempfile.TemporaryDirectory() as d:
                 tracking.log_run_artifact(uri, run_id, learning_curve_png(rows, Path(d) / CURVE_FILE, name))
     except Exception as e:   # noqa: BLE001 - a plot must never end a search
         warnings.warn(f"learning curve of MLflow run {run_id} not drawn: {type(e).__name__}: {e}", stacklevel=1)
+
+
+def epoch_rows(uri: str, run_id: str) -> tuple[str, list[dict[str, float]]]:
+    """A run's name and its metrics as one row per epoch ({"epoch": e, key: value, ...}), from MLflow."""
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    rows: dict[int, dict[str, float]] = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run_id, key):
+            rows.setdefault(int(m.step), {"epoch": int(m.step)})[key] = m.value
+    return run.info.run_name, [rows[e] for e in sorted(rows)]
 
 
 def init_ray() -> None:

@@ -147,14 +147,3 @@ def find_parent(uri: str, experiment_id: str, experiment_path: str) -> Any | Non
 
 def log_run_artifact(uri: str, run_id: str, path: str | Path) -> None:
     MlflowClient(uri).log_artifact(run_id, str(path))
-
-
-def epoch_rows(uri: str, run_id: str) -> tuple[str, list[dict[str, float]]]:
-    """A run's name and its metrics as one row per epoch ({"epoch": e, key: value, ...}), from MLflow."""
-    client = MlflowClient(uri)
-    run = client.get_run(run_id)
-    rows: dict[int, dict[str, float]] = {}
-    for key in run.data.metrics:
-        for m in client.get_metric_history(run_id, key):
-            rows.setdefault(int(m.step), {"epoch": int(m.step)})[key] = m.value
-    return run.info.run_name, [rows[e] for e in sorted(rows)]

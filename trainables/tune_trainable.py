@@ -27,6 +27,7 @@ from trainables import tracking
 from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
+from trainables.gallery import config_gallery
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError
 
@@ -76,22 +77,6 @@ def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
     return _DATA[key]
 
 
-def _gallery(cfg: TrainConfig, size: tuple[int, int], path: Path) -> Path | None:
-    from trainables.gallery import save_gallery
-    from trainables.ssl.masks import box_masks, cow_masks
-
-    reg = next((p.regularizer for p in (cfg.mix, cfg.perturb) if p is not None), None)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    if hasattr(reg, "sigma_range"):
-        masks = cow_masks(16, size, reg.sigma_range, reg.prop_range, gen)
-        title = f"{reg.name} sigma {reg.sigma_range[0]:.1f}:{reg.sigma_range[1]:.1f} p {reg.prop_range[0]:.2f}:{reg.prop_range[1]:.2f}"
-    elif hasattr(reg, "scale_mode"):
-        masks, title = box_masks(16, size, reg.scale_mode, reg.scale, reg.random_aspect, gen), f"{reg.name} boxes"
-    else:
-        return None
-    return save_gallery(masks[:, 0], path, title=title)
-
-
 def train_trial(config: dict[str, Any]) -> None:
     meta = config[META]
     body = config[TRAIN_CONFIG]["config"] if TRAIN_CONFIG in config else {k: v for k, v in config.items() if k != META}
@@ -135,7 +120,7 @@ def train_trial(config: dict[str, Any]) -> None:
     if run.created:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         run.log_artifact(out / "config.yaml")
-        gallery = _gallery(cfg, data.image_shape[1:], out / "masks.png")
+        gallery = config_gallery(cfg, data.image_shape[1:], out / "masks.png")
         if gallery:
             run.log_artifact(gallery)
     last_curve = [float("-inf")]
