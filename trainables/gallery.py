@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from trainables.ssl.masks import box_masks, cow_masks
+
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
 
@@ -40,10 +42,8 @@ def save_gallery(masks: torch.Tensor, path: str | Path, title: str = "", scale: 
     return path
 
 
-def config_gallery(cfg: "TrainConfig", size: tuple[int, int], path: Path) -> Path | None:
+def config_gallery(cfg: TrainConfig, size: tuple[int, int], path: Path) -> Path | None:
     """16 masks of the config's mixing (else erasure) regularizer, seeded by the run seed; None if it has none."""
-    from trainables.ssl.masks import box_masks, cow_masks
-
     reg = next((p.regularizer for p in (cfg.mix, cfg.perturb) if p is not None), None)
     gen = torch.Generator().manual_seed(cfg.seed)
     if hasattr(reg, "sigma_range"):
