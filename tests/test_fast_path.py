@@ -10,7 +10,8 @@ from trainables.config import TrainConfig
 from trainables.data import Batch, prepare_data
 from trainables.models import create_model
 from trainables.optim import make_optimizer
-from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, convert_batch_norm
+from trainables.segmented_bn import (SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments,
+                                     convert_batch_norm, segmentable)
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
 
@@ -159,3 +160,33 @@ def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memo
     assert torch.allclose(plain.bias.grad, seg.bias.grad, atol=1e-5)
     for name, v in plain.state_dict().items():
         assert torch.allclose(v.float(), seg.state_dict()[name].float(), atol=1e-6), name
+
+
+
+def test_fused_bn_relu_is_relu_after_batch_norm(monkeypatch):
+    """WRN-28-2's stacked call with batch norm + ReLU as one function (the mask re-derived from the input in
+    the backward) gives the outputs, gradients and running statistics of ReLU after the one-pass batch norm.
+    Float64, so that only a wrong mask or a wrong gradient could tell them apart."""
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+    fused_calls = []
+    apply = _EqualSegmentsBatchNorm.apply
+    monkeypatch.setattr(_EqualSegmentsBatchNorm, "apply",
+                        lambda *args: fused_calls.append(args[-1]) or apply(*args))
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    w = torch.linspace(-1, 1, 80, dtype=torch.float64).view(8, 10)
+    models, outs = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(SegmentedBatchNorm2d, "fuse_relu", fused)
+        torch.manual_seed(1)
+        model = models[fused] = create_model("wrn28_2", 10).double()
+        with batch_segments(segmentable(model), ((4, True), (4, False))):
+            outs[fused] = model(x)
+        (outs[fused] * w).sum().backward()
+    assert fused_calls.count(True) == 25   # every batch norm of WRN-28-2 (each is followed by a ReLU)
+    assert torch.allclose(outs[False], outs[True], atol=1e-12, rtol=1e-10)
+    grads = [dict(models[f].named_parameters()) for f in (False, True)]
+    for name, p in grads[0].items():
+        assert torch.allclose(p.grad, grads[1][name].grad, atol=1e-12, rtol=1e-10), name
+    states = [models[f].state_dict() for f in (False, True)]
+    for name, v in states[0].items():
+        assert torch.allclose(v, states[1][name], atol=1e-12, rtol=0), name

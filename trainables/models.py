@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from trainables.segmented_bn import convert_batch_norm
+from trainables.segmented_bn import bn_relu, convert_batch_norm
 from trainables.validation import unknown_name
 
 MODELS: dict[str, Callable[[int], nn.Module]] = {}
@@ -133,11 +133,11 @@ class PreActBlock(nn.Module):
             self.shortcut = nn.Conv2d(cin, cout, 1, stride, 0, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = F.relu(self.bn1(x))
+        o = bn_relu(self.bn1, x)
         # On a shape change the shortcut sees the activated input (original WRN code).
         skip = x if self.shortcut is None else self.shortcut(o)
         o = self.conv1(o)
-        o = self.conv2(self.dropout(F.relu(self.bn2(o))))
+        o = self.conv2(self.dropout(bn_relu(self.bn2, o)))
         return skip + o
 
 
@@ -168,13 +168,14 @@ class WideResNet(nn.Module):
         nn.init.zeros_(self.fc.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.blocks(self.stem(x))))
+        x = bn_relu(self.bn, self.blocks(self.stem(x)))
         return self.fc(x.mean((2, 3)))  # (N, C) global average pool
 
 
 # ----------------------------------------------------------------------------- shake-shake WRN
 
 def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
+    # The inner BN + ReLU stays two modules: as one bn_relu it ran 1% slower (H100, 2026-11-26)
     return nn.Sequential(
         nn.ReLU(), SameConv2d(cin, cout, 3, stride), nn.BatchNorm2d(cout),
         nn.ReLU(), SameConv2d(cout, cout, 3, 1), nn.BatchNorm2d(cout))

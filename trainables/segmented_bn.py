@@ -34,11 +34,18 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 
     segments: Segments | None = None
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
+    fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
             return super().forward(x)
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
+
+    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs."""
+        if self.fuse_relu and self.segments is not None and self.training and self._one_pass(x):
+            return self._equal_segments(x, relu=True)
+        return F.relu(self(x))
 
     def _one_pass(self, x: torch.Tensor) -> bool:
         """Compiling, and equal segments that cover ``x`` with 2+ values per channel each, on a layer
@@ -60,9 +67,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             outs.append(F.batch_norm(part, *stats, self.weight, self.bias, True, self.momentum, self.eps))
         return torch.cat(outs)
 
-    def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
+    def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
         with torch.no_grad():
             n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
@@ -76,37 +83,51 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
-    over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format). Statistics are computed
-    in float32 at least; returns (y in x's dtype, per-run means (s, C), biased variances (s, C))."""
+    over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
+    ``relu``. Statistics are computed in float32 at least; returns (y in x's dtype, per-run means
+    (s, C), biased variances (s, C)).
+
+    The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
+    backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
+    that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps):
+    def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
-        w, b = (t.to(xs.dtype).view(1, 1, -1, 1, 1) for t in (weight, bias))
+        scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
+        shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
+        z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
-        y = ((xs - mean) * (rstd * w) + b).to(x.dtype).flatten(0, 1).clone()
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.s = s
+        y = (z.relu() if relu else z).to(x.dtype).flatten(0, 1).clone()
+        ctx.save_for_backward(x, mean, rstd, scale, shift)
+        ctx.s, ctx.relu, ctx.weight_dtype = s, relu, weight.dtype
         stats = mean.view(s, -1), var.view(s, -1)
         ctx.mark_non_differentiable(*stats)
         return y, *stats
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, mean, rstd, scale, shift = ctx.saved_tensors
         xs = x.unflatten(0, (ctx.s, -1)).to(mean.dtype)
         dys = dy.unflatten(0, (ctx.s, -1)).to(mean.dtype)
+        if ctx.relu:   # ReLU's mask from the input, not from a second read of the output
+            dys = torch.where(xs * scale + shift > 0, dys, 0.0)
         n = xs.numel() // (ctx.s * xs.shape[2])
         xhat = (xs - mean) * rstd
         sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
-        scale = weight.to(mean.dtype).view(1, 1, -1, 1, 1) * rstd
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
-        return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(weight.dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(weight.dtype), None, None)
+        return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
+
+
+def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``relu(bn(x))``: one function with a leaner backward on the one-pass path of a
+    ``SegmentedBatchNorm2d``; any other batch norm is called as it is."""
+    return bn.forward_relu(x) if isinstance(bn, SegmentedBatchNorm2d) else F.relu(bn(x))
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
