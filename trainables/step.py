@@ -20,7 +20,7 @@ from trainables.config import TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
-from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
+from trainables.ssl.losses import confidence_weight, float32_at_least, mix_targets, squared_error
 from trainables.step_graph import StepGraph
 
 
@@ -40,6 +40,8 @@ def frozen_bn_stats(model: nn.Module):
 
 class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
+
+    compile_losses = True   # compile the loss terms too when compiling the model (off: eager, for A/B timings)
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
@@ -73,6 +75,8 @@ class StepRunner:
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
         self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
+        self.loss_terms = torch.compile(self._loss_terms, dynamic=False) if compiled and self.compile_losses \
+            else self._loss_terms
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
@@ -122,25 +126,25 @@ class StepRunner:
         return out
 
     def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The teacher's float32 logits (eval mode, no gradient), launched on the teacher's stream if it has one:
-        the caller's stream must wait for that stream before it reads them."""
+        """The teacher's logits in float32 at least (eval mode, no gradient), launched on the teacher's stream
+        if it has one: the caller's stream must wait for that stream before it reads them."""
         stream = self.teacher_stream
         if stream is None:
             with torch.no_grad(), self.autocast:
-                return self.teacher_forward(self._x(x)).float()
+                return float32_at_least(self.teacher_forward(self._x(x)))
         # The teacher stream starts after all work queued so far (this step's batch, the last EMA update) and
         # allocates only here: a block it frees is reused by it after its next wait, when the main stream's
         # reads of the last step's logits are queued before that point.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad(), self.autocast:
-            return self.teacher_forward(self._x(x)).float()
+            return float32_at_least(self.teacher_forward(self._x(x)))
 
     def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
-        cfg, stats = self.cfg, {}
+        cfg = self.cfg
         calls = [(batch.x_sup, True)] if supervised else []
-        teacher_logits = None
+        teacher_logits = blend = None
         if cfg.perturb is not None or cfg.mix is not None:
             teacher_logits = self.teacher_logits(batch.x_unsup0)
         if cfg.perturb is not None:
@@ -153,25 +157,36 @@ class StepRunner:
         logits = self.student_logits(calls)
         if self.teacher_stream is not None and teacher_logits is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
+        return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend)
+
+    def _loss_terms(self, logits: list[torch.Tensor], teacher_logits: torch.Tensor | None,
+                    y_sup: torch.Tensor | None, blend: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The losses from the student's logits (in call order) and the teacher's; compiled with the model
+        (dozens of small kernels become a few)."""
+        cfg, stats = self.cfg, {}
         loss = torch.zeros((), device=self.device)
-        if supervised:
-            logits_sup = logits.pop(0)
-            loss_sup = F.cross_entropy(logits_sup.float(), batch.y_sup)
+        i = 0
+        if y_sup is not None:
+            logits_sup = logits[i]
+            i += 1
+            loss_sup = F.cross_entropy(float32_at_least(logits_sup), y_sup)
             stats[M.LOSS_SUP] = loss_sup.detach()
-            stats[M.ERR_SUP] = (logits_sup.argmax(1) != batch.y_sup).float().mean()
+            stats[M.ERR_SUP] = (logits_sup.argmax(1) != y_sup).float().mean()
             loss = loss_sup
         if cfg.perturb is not None:
             path = cfg.perturb
             teacher_probs = F.softmax(teacher_logits, dim=1)
             weight, rate = confidence_weight(teacher_probs.max(1).values, path.conf_thresh, path.conf_avg)
-            loss_cons = squared_error(logits.pop(0), teacher_probs, weight)
+            loss_cons = squared_error(logits[i], teacher_probs, weight)
+            i += 1
             loss = loss + path.weight * loss_cons
             stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
         if cfg.mix is not None:
             path = cfg.mix
             teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, path.mix_logits, path.conf_mode)
             weight, rate = confidence_weight(confidence, path.conf_thresh, path.conf_avg)
-            loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, weight)
+            loss_mix = squared_error(logits[i], teacher_probs_mixed, weight)
             loss = loss + path.weight * loss_mix
             stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
         return loss, stats
@@ -189,9 +204,13 @@ class StepRunner:
         loss.backward()
         self.optimizer.step()
         ema_update_(self.pairs, alpha)
-        for k, v in stats.items():
-            self.sums[k] += v
+        self.add_stats(stats)
         self.count += 1
+
+    def add_stats(self, stats: dict[str, torch.Tensor]) -> None:
+        """Add a step's metrics to the running sums, in one fused kernel."""
+        keys = list(stats)
+        torch._foreach_add_([self.sums[k] for k in keys], [stats[k] for k in keys])
 
 
 @torch.no_grad()

@@ -59,8 +59,7 @@ class StepGraph:
         loss.backward()
         r.optimizer.step()
         ema_update_(r.pairs, self.alpha, self.weight)
-        for k, v in stats.items():
-            r.sums[k] += v
+        r.add_stats(stats)
 
     def _capture(self, r: Any, batch: Batch, gen: torch.Generator) -> None:
         x_unsup0 = batch.x_unsup0.clone()

@@ -56,5 +56,5 @@ def ema_update_(pairs: EmaPairs, alpha: float | torch.Tensor, weight: float | to
     weight = ema_weight(alpha) if weight is None else weight
     torch._foreach_mul_(pairs.teacher_float, alpha)
     torch._foreach_add_(pairs.teacher_float, torch._foreach_mul(pairs.student_float, weight))
-    for t, s in zip(pairs.teacher_other, pairs.student_other):
-        t.copy_(s)
+    if pairs.teacher_other:   # batch norm's step counters: one fused copy, not one kernel each
+        torch._foreach_copy_(pairs.teacher_other, pairs.student_other)
