@@ -41,8 +41,6 @@ def frozen_bn_stats(model: nn.Module):
 class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
 
-    compile_losses = True   # compile the loss terms too when compiling the model (off: eager, for A/B timings)
-
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
@@ -75,8 +73,6 @@ class StepRunner:
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
         self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
-        self.loss_terms = torch.compile(self._loss_terms, dynamic=False) if compiled and self.compile_losses \
-            else self._loss_terms
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
@@ -159,11 +155,14 @@ class StepRunner:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
         return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend)
 
-    def _loss_terms(self, logits: list[torch.Tensor], teacher_logits: torch.Tensor | None,
+    def loss_terms(self, logits: list[torch.Tensor], teacher_logits: torch.Tensor | None,
                     y_sup: torch.Tensor | None, blend: torch.Tensor | None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The losses from the student's logits (in call order) and the teacher's; compiled with the model
-        (dozens of small kernels become a few)."""
+        """The losses from the student's logits (in call order) and the teacher's.
+
+        Not compiled: compiled, it was 1% faster on a WRN-28-2 step (H100), but it recompiles for every new set
+        of loss settings (each trial of a reused Ray worker), and in the benchmark, which makes one runner after
+        another, each runner's peak GPU memory grew by the one before (shake-shake: +1 GiB a runner)."""
         cfg, stats = self.cfg, {}
         loss = torch.zeros((), device=self.device)
         i = 0
