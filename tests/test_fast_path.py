@@ -162,7 +162,6 @@ def test_segmented_batch_norm_is_separate_calls_with_frozen_segments(sizes, memo
         assert torch.allclose(v.float(), seg.state_dict()[name].float(), atol=1e-6), name
 
 
-
 def test_fused_bn_relu_is_relu_after_batch_norm(monkeypatch):
     """WRN-28-2's stacked call with batch norm + ReLU as one function (the mask re-derived from the input in
     the backward) gives the outputs, gradients and running statistics of ReLU after the one-pass batch norm.

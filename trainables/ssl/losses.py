@@ -27,7 +27,7 @@ def squared_error(student_logits: torch.Tensor, target_probs: torch.Tensor,
         target_probs: (B, C) teacher probabilities (no gradient).
         weight: (B,) per-sample weights, or a scalar tensor.
     Returns:
-        scalar loss (float32).
+        scalar loss (float32, or float64 for float64 inputs).
     """
     diff = F.softmax(float32_at_least(student_logits), dim=1) - float32_at_least(target_probs)
     per_sample = (diff * diff).sum(dim=1)
