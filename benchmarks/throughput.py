@@ -199,6 +199,8 @@ def packing_mode(args) -> int:
 
     ks = [int(k) for k in args.packing.split(",")]
     model = "cnn_tiny" if args.tiny else "wrn28_2"
+    if args.tiny:
+        args.batch = 16
     data = ({"dataset": "imagefolder", "root": str(Path(args.data).resolve()), "n_val": 5000}
             if args.data else {"dataset": "digits", "n_val": 300})
     train_config = {"model": model, "mix": {"name": "cowmix"},
@@ -262,8 +264,6 @@ def main(argv=None) -> int:
                    "trainable's GPU fraction lets share a GPU)")
     args = p.parse_args(argv)
     if args.packing:
-        if args.tiny:
-            args.batch = 16
         return packing_mode(args)
     if args.search:
         return search_mode(args)

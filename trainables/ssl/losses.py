@@ -13,11 +13,6 @@ import torch
 import torch.nn.functional as F
 
 
-def float32_at_least(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or in its own dtype if wider (float64 stays float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def squared_error(student_logits: torch.Tensor, target_probs: torch.Tensor,
                   weight: torch.Tensor) -> torch.Tensor:
     """(1/B) sum_i w_i sum_c (softmax(s)_ic - t_ic)^2: divided by the full batch, not by the passing count.
@@ -27,9 +22,9 @@ def squared_error(student_logits: torch.Tensor, target_probs: torch.Tensor,
         target_probs: (B, C) teacher probabilities (no gradient).
         weight: (B,) per-sample weights, or a scalar tensor.
     Returns:
-        scalar loss (float32, or float64 for float64 inputs).
+        scalar loss (float32).
     """
-    diff = F.softmax(float32_at_least(student_logits), dim=1) - float32_at_least(target_probs)
+    diff = F.softmax(student_logits.float(), dim=1) - target_probs.float()
     per_sample = (diff * diff).sum(dim=1)
     return (per_sample * weight).mean()
 
@@ -69,8 +64,8 @@ def mix_targets(teacher_logits: torch.Tensor, blend: torch.Tensor, mix_logits: b
     Returns:
         (target_probs (B, C), confidence (B,)).
     """
-    lam = float32_at_least(blend)[:, None]
-    logits0 = float32_at_least(teacher_logits)
+    lam = blend.float()[:, None]
+    logits0 = teacher_logits.float()
     logits1 = torch.roll(logits0, shifts=-1, dims=0)
     p0 = F.softmax(logits0, dim=1)
     p1 = torch.roll(p0, shifts=-1, dims=0)
