@@ -55,13 +55,27 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
         history = client.get_metric_history(r.info.run_id, M.STEPS_PER_S)
         reports = sorted(m.timestamp / 1e3 - launched for m in history)
         rates = sorted(m.value for m in history)
+        phases = {key: {int(m.step): m.value for m in client.get_metric_history(r.info.run_id, key)}
+                  for key in (M.TRAIN_S, M.EVAL_S, M.CHECKPOINT_S, M.FIRST_STEP_S, M.COMPILE_WAIT_S)}
         rows.append({"trial": r.data.tags.get(TRIAL_TAG, "?"),
                      "epochs": int(r.data.tags.get("cowtune.final_epoch", "0")),
                      "stopped_early": r.data.tags.get("cowtune.stopped_early") == "True",
                      "val_error_teacher": err, "status": r.info.status,
                      "opened_s": r.info.start_time / 1e3 - launched, "epoch_reports_s": reports,
-                     "steps_per_s_median": rates[len(rates) // 2] if rates else None})
+                     "steps_per_s_median": rates[len(rates) // 2] if rates else None,
+                     "first_step_s": next(iter(phases[M.FIRST_STEP_S].values()), None),
+                     "compile_wait_s": next(iter(phases[M.COMPILE_WAIT_S].values()), None),
+                     # an epoch after the first: its steps, evaluation, checkpoint, and the whole report-to-report cycle
+                     "epoch_phases_s_median": {
+                         "train": _median([v for e, v in phases[M.TRAIN_S].items() if e > 1]),
+                         "eval": _median(list(phases[M.EVAL_S].values())),
+                         "checkpoint": _median(list(phases[M.CHECKPOINT_S].values())),
+                         "cycle": _median([b - a for a, b in zip(reports[1:], reports[2:])])}})
     return {"wall_s": wall, "trials": rows, "working_folder": str(work), "timeline": timeline(rows, wall)}
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def timeline(rows: list[dict[str, Any]], wall: float) -> dict[str, float]:
@@ -93,6 +107,17 @@ def print_search(result: dict[str, Any], epochs: int) -> None:
               f"{t['first_epoch_reported_s']:.0f} s (a trial's set-up, compilation and first epoch: median "
               f"{t['median_open_to_first_epoch_s']:.0f} s), last epoch reported at {t['last_epoch_reported_s']:.0f} s, "
               f"exit {t['after_last_report_s']:.0f} s later")
+    firsts = [(r["first_step_s"], r["compile_wait_s"]) for r in rows if r.get("first_step_s") is not None]
+    if firsts:
+        print("first steps (compilation, cuDNN tuning, graph capture), least waiting first: "
+              + ", ".join(f"{f:.0f} s" + (f" after {w:.0f} s waiting" if w >= 0.5 else "")
+                          for f, w in sorted(firsts, key=lambda fw: fw[1])[:8]))
+    phases = [r["epoch_phases_s_median"] for r in rows if r.get("epoch_phases_s_median", {}).get("cycle")]
+    if phases:
+        med = {k: _median([p[k] for p in phases if p[k] is not None]) for k in ("train", "eval", "checkpoint", "cycle")}
+        rest = med["cycle"] - med["train"] - med["eval"] - med["checkpoint"]
+        print(f"a trial's epoch (medians): steps {med['train']:.2f} s, evaluation {med['eval']:.2f} s, checkpoint "
+              f"{med['checkpoint']:.2f} s, report and logging {rest:.2f} s; {med['cycle']:.2f} s report to report")
     print(f"\nwall time {result['wall_s'] / 60:.1f} min for {len(rows)} trials: {len(full)} ran all {epochs} epochs, "
           f"{len(stopped)} stopped by ASHA, {sum(r['epochs'] for r in rows)} trial-epochs in all"
           + (f"; best holdout error {100 * min(errors):.2f}%" if errors else ""), flush=True)

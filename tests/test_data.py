@@ -5,6 +5,8 @@ CPU only, no network, no dataset files: scikit-learn's digits and tiny PNG trees
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import threading
 import zipfile
 from pathlib import Path
 
@@ -309,3 +311,30 @@ def test_loader_pipeline_large_images(tmp_path):
     par = list(workers.train_batches(1, 3, 4, 2, augment_twice=True))
     assert all(torch.equal(p, q) for x, y in zip(first, par)
                for p, q in zip(dataclasses.astuple(x), dataclasses.astuple(y)))
+
+
+def test_a_search_driver_warms_the_decode_cache_and_trials_wait_for_a_decoding(tmp_path, monkeypatch):
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    _write_tree(tmp_path / "tree", classes=2, per_class=5, size=16, split_dirs=False)
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), n_val=2, n_labeled=2)
+    assert D.warm_decode_cache(DataConfig(dataset="digits")) is None            # nothing to decode
+    D.warm_decode_cache(dataclasses.replace(cfg, root=str(tmp_path / "missing"))).join()   # errors: left to trials
+    D.warm_decode_cache(cfg).join(timeout=60)
+    (cache,) = (tmp_path / "cache").glob("*.npz")
+    # while another process decodes (holds the lock), a trial waits, then decodes if no cache came of it
+    cache.unlink()
+    with open(cache.with_suffix(".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        loaded = []
+        waiter = threading.Thread(target=lambda: loaded.append(D.load_raw(cfg)))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not cache.exists()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert cache.exists() and loaded[0].train_images.shape == (10, 16, 16, 3)
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded again instead of reading the cache")
+    monkeypatch.setattr(image_files, "_decode_all", no_decode)
+    assert np.array_equal(D.load_raw(cfg).train_images, loaded[0].train_images)

@@ -152,3 +152,16 @@ def test_bad_split_fails_before_training(tmp_path):
     with pytest.raises(ConfigError, match="data.n_labeled"):
         fit(cfg, tmp_path, log=lambda s: None)
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_epochs_report_where_their_time_went(digits, tmp_path):
+    cfg = tiny_config("cowmix", epochs=2)
+    reports, lines = [], []
+    fit(cfg, tmp_path, data=digits, report=lambda e, m, p: reports.append(dict(m)), log=lines.append)
+    first, second = reports
+    for m in (first, second):
+        assert m[M.TRAIN_S] > 0 and m[M.EVAL_S] > 0 and m[M.CHECKPOINT_S] > 0
+    # the first step (compilation and tuning on a GPU) is reported once, in the epoch that ran it
+    assert first[M.FIRST_STEP_S] > 0 and first[M.COMPILE_WAIT_S] == 0.0   # on CPU no lock is taken
+    assert M.FIRST_STEP_S not in second and M.COMPILE_WAIT_S not in second
+    assert sum(line.strip().startswith("first step") for line in lines) == 1

@@ -11,6 +11,13 @@ LR = "train/lr"
 IMAGES_PER_S = "train/images_per_s"
 STEPS_PER_S = "train/steps_per_s"
 EPOCH = "epoch"
+# Where an epoch's wall time went: its steps, the evaluation, writing the checkpoint; and, in the epoch that
+# ran it, the first step (compilation, cuDNN tuning, CUDA-graph capture) and the wait for another trial's.
+TRAIN_S = "time/train_s"
+EVAL_S = "time/eval_s"
+CHECKPOINT_S = "time/checkpoint_s"
+FIRST_STEP_S = "time/first_step_s"
+COMPILE_WAIT_S = "time/compile_wait_s"
 STEP = "step"
 
 

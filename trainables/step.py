@@ -10,12 +10,14 @@ which gives the same result with fewer, larger kernels. The teacher runs in eval
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainables import metrics as M
+from trainables.compile_lock import first_compile_lock
 from trainables.config import TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
@@ -82,6 +84,8 @@ class StepRunner:
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
+        # {time/first_step_s, time/compile_wait_s} once the first step (compilation, cuDNN tuning, capture) ran
+        self.first_step: dict[str, float] | None = None
 
     def reset_metrics(self) -> None:
         keys = [M.LOSS_SUP, M.ERR_SUP]
@@ -178,6 +182,27 @@ class StepRunner:
 
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """One optimiser step and one teacher update."""
+        if self.first_step is None:
+            self._first_step(batch, gen, lr, alpha)
+        else:
+            self._step(batch, gen, lr, alpha)
+
+    def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+        """The first step compiles: on CUDA under the machine's first-compile lock, so that trials packed on
+        one GPU compile one after another and all but the first load the kernels it cached. (Not for
+        data-parallel replicas: they meet in collectives during the step, and one waiting for the lock while
+        another waits for it in an all-reduce would never finish.)"""
+        locked = self.compiled and self.device.type == "cuda" \
+            and not isinstance(self.student, nn.parallel.DistributedDataParallel)
+        t0 = time.monotonic()
+        with first_compile_lock(locked) as lock:
+            self._step(batch, gen, lr, alpha)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # its cuDNN tuning too, before the next trial's
+        self.first_step = {M.FIRST_STEP_S: time.monotonic() - t0 - lock["waited_s"],
+                           M.COMPILE_WAIT_S: lock["waited_s"]}
+
+    def _step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         if self.step_graph is not None:
             return self.step_graph.step(self, batch, gen, lr, alpha)
         for group in self.optimizer.param_groups:

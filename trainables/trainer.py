@@ -106,15 +106,23 @@ def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: in
     gen = runner.generator.manual_seed(stream_seed(stream, epoch, "masks"))
     runner.reset_metrics()
     augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
+    first = runner.first_step is None
     t0 = t_print = time.monotonic()
     for i, batch in enumerate(data.train_batches(epoch, stream, cfg.train.batch_size, steps_per_epoch, augment_twice)):
         runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
+        if first and i == 0 and log is not None:
+            wait = runner.first_step[M.COMPILE_WAIT_S]
+            log(f"  first step {runner.first_step[M.FIRST_STEP_S]:.1f} s"
+                + (" (compilation, cuDNN tuning and graph capture)" if runner.compiled else "")
+                + (f", after {wait:.1f} s waiting for another process's compilation" if wait >= 0.5 else ""))
         if log is not None and time.monotonic() - t_print > 15:
             t_print = time.monotonic()
             rate = (i + 1) / (t_print - t0)
             log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
                 f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
     metrics = runner.read_metrics()
+    if first:
+        metrics.update(runner.first_step)
     metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps_per_epoch - 1, steps_per_epoch, cfg.optim)
     metrics[M.EPOCH], metrics[M.STEP] = epoch + 1, (epoch + 1) * steps_per_epoch
     return metrics
@@ -183,8 +191,10 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
             err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
             metrics[M.eval_key(split, "error", name)] = err
             metrics[M.eval_key(split, "loss", name)] = loss
+        t_saved = time.monotonic()
         metrics[M.STEPS_PER_S] = steps_per_epoch / train_time
         metrics[M.IMAGES_PER_S] = steps_per_epoch * cfg.train.batch_size * (2 if cfg.method != "supervised" else 1) / train_time
+        metrics[M.TRAIN_S], metrics[M.EVAL_S] = train_time, t_saved - t0 - train_time
         history.append(metrics)
         _save_atomic({
             "config": cfg.to_dict(), "epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch,
@@ -193,6 +203,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
             "rng": {"torch": torch.get_rng_state(), "mask_generator": runner.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
         }, ckpt_path)
+        metrics[M.CHECKPOINT_S] = time.monotonic() - t_saved   # known once it is written: reported, not in its own checkpoint
         with open(out / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)
         epoch_times.append(time.monotonic() - t0)

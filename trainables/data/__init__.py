@@ -25,6 +25,7 @@ and ``loader`` (``LoaderData``). Their public names are re-exported here.
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,13 +49,31 @@ __all__ = [
     "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
     "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_source", "crop_flip_params", "epoch_order",
     "eval_view", "gather_crops", "inception_box", "load_raw", "make_splits", "normalise", "prepare_data",
-    "register_dataset", "stream_seed", "train_size", "train_view", "window_indices",
+    "register_dataset", "stream_seed", "train_size", "train_view", "warm_decode_cache", "window_indices",
 ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
+
+def warm_decode_cache(cfg: "DataConfig") -> threading.Thread | None:
+    """Decode an image-folder dataset into its cache in a background thread, e.g. on a search driver while
+    Ray starts its workers: they then read the cache (or wait for the decoding) instead of each decoding.
+    Errors are left to the workers, which report them per trial. None when there is nothing to decode."""
+    if cfg.dataset != "imagefolder" or cfg.pipeline == "loader":
+        return None
+
+    def decode() -> None:
+        try:
+            load_raw(cfg)
+        except Exception:   # noqa: BLE001 - the trials load the data again and say what is wrong
+            pass
+
+    thread = threading.Thread(target=decode, name="cowtune-decode-cache", daemon=True)
+    thread.start()
+    return thread
+
 
 def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device) -> TrainData:
     """Load ``cfg.dataset``, split it and return the pipeline for ``device``.

@@ -6,6 +6,7 @@ Small images are decoded once into a uint8 array and cached as .npz under $COWTU
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import math
@@ -131,13 +132,25 @@ def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | 
     Returns {"train": ..., "test": ... (when there is a test split), "mean": (3,), "std": (3,)}.
     """
     path = _cache_dir() / f"imagefolder-{_source_key(root, (train, test))}.npz"
-    if path.exists():
-        t0 = time.perf_counter()
-        with np.load(path, allow_pickle=False) as z:
-            out = {k: z[k] for k in z.files}
-        print(f"data: loaded {len(out['train'])} decoded images of {shown} from cache {path} "
-              f"in {time.perf_counter() - t0:.1f} s", flush=True)
-        return out
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # one process decodes, the others (packed trials, a search driver warming the cache) wait and read it
+        with open(path.with_suffix(".lock"), "a") as lock:
+            t0 = time.perf_counter()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = time.perf_counter() - t0
+            if not path.exists():
+                return _decode_to_cache(path, shown, train, test)
+        print(f"data: waited {waited:.1f} s for another process decoding {shown}", flush=True)
+    t0 = time.perf_counter()
+    with np.load(path, allow_pickle=False) as z:
+        out = {k: z[k] for k in z.files}
+    print(f"data: loaded {len(out['train'])} decoded images of {shown} from cache {path} "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages | None) -> dict[str, np.ndarray]:
     t0 = time.perf_counter()
     out = {"train": _decode_all(train, shown)}
     if test is not None:
@@ -146,7 +159,6 @@ def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | 
               "hold test images of the training image size", shown)
     mean, std = _channel_stats(out["train"])
     out["mean"], out["std"] = np.array(mean), np.array(std)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
     np.savez(tmp, **out)
     os.replace(tmp, path)  # atomic: concurrent trials never read a half-written cache
