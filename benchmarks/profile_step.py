@@ -19,6 +19,7 @@ from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from throughput import load_images, make_config, make_runner  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
+from trainables.trainer import autotune_convolutions  # noqa: E402
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
-    torch.backends.cudnn.benchmark = True   # as the trainer does unless train.deterministic
+    autotune_convolutions()   # as the trainer does unless train.deterministic
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,

@@ -35,6 +35,7 @@ from trainables.models import create_model  # noqa: E402
 from trainables.optim import make_optimizer  # noqa: E402
 from trainables.ssl.ema import make_teacher  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
+from trainables.trainer import autotune_convolutions  # noqa: E402
 
 METHODS = {
     "supervised": {},
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
         args.models, args.batch, args.steps, args.warmup, args.workers = "cnn_tiny", 16, 3, 1, 0
         args.no_compile, args.epochs = True, 2
     device = torch.device(args.device)
-    torch.backends.cudnn.benchmark = device.type == "cuda"   # as the trainer does unless train.deterministic
+    if device.type == "cuda":
+        autotune_convolutions()   # as the trainer does unless train.deterministic
     for method in args.methods.split(","):
         if method not in METHODS:
             p.error(f"unknown method {method!r}; known: {', '.join(METHODS)}")

@@ -1,17 +1,21 @@
-"""The first compilation on a machine runs alone, so that packed trials reuse its kernels.
+"""The first compilation of a step on a machine runs alone, so that packed trials reuse its kernels.
 
-Trials packed on one GPU compile the same model graphs. Started together, each compiles them from
-scratch, all at once, on the same CPU cores (four WRN-28-2 CowMix trials on a 16-core H100 host:
-71-79 s before anyone's first epoch ends, the GPU idle meanwhile). Under this lock the first one
-compiles alone and fills Inductor's on-disk caches; the others wait for it and then start together,
-loading what it wrote, while it already trains. (One at a time they took 22-27 s each after the first
-one's 56 s on that host.) The lock is an advisory ``flock`` on a file in Inductor's cache folder, the
-scope of what is shared; the kernel releases it if its holder dies.
+Trials packed on one GPU compile the same model graphs. Started together with empty caches, each
+compiles them from scratch, all at once, on the same CPU cores (four WRN-28-2 CowMix trials on a
+16-core H100 host: 71-79 s before anyone's first epoch ends, the GPU idle meanwhile). Under this lock
+the first one compiles alone (48-56 s there) and fills Inductor's on-disk caches; the others wait
+for it, then start together on what it wrote (23-29 s each, while it already trains; one at a time
+they took 22-27 s each). Once a step of that kind has compiled on the machine, a marker in the cache
+folder says so and later processes compile at once, without the lock.
+
+The lock is an advisory ``flock`` on a file in Inductor's cache folder, the scope of what is shared;
+the kernel releases it if its holder dies.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -33,14 +37,16 @@ def cache_folder() -> Path:
 
 
 @contextlib.contextmanager
-def first_compile_lock(enabled: bool = True) -> Iterator[dict[str, float]]:
-    """Compile in the body: alone if no other process is compiling, else once the one that is has finished
-    (then alongside the others that waited for it). Yields {"waited_s": seconds spent waiting}."""
+def first_compile_lock(key: str, enabled: bool = True) -> Iterator[dict[str, float]]:
+    """Compile the step named by ``key`` in the body: at once if one like it has compiled on this machine
+    before; else alone if no other process is compiling, or once the one that is has finished (alongside
+    the others that waited for it). Yields {"waited_s": seconds spent waiting}."""
     info = {"waited_s": 0.0}
-    if not enabled:
+    folder = cache_folder()
+    marker = folder / f"cowtune-compiled-{key}"
+    if not enabled or marker.exists():
         yield info
         return
-    folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_NAME, "a") as handle:
         try:
@@ -51,5 +57,11 @@ def first_compile_lock(enabled: bool = True) -> Iterator[dict[str, float]]:
             info["waited_s"] = time.monotonic() - t0
         try:
             yield info
+            marker.touch()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def step_key(*parts: object) -> str:
+    """A short name for what a step's compiled graphs depend on (model, shapes, settings, torch version)."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]

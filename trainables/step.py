@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables import metrics as M
-from trainables.compile_lock import first_compile_lock
+from trainables.compile_lock import first_compile_lock, step_key
 from trainables.config import TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
@@ -46,7 +46,7 @@ class StepRunner:
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
-        self.device = device
+        self.device, self.bf16 = device, bf16
         self.pairs = EmaPairs(teacher, student)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
@@ -194,8 +194,13 @@ class StepRunner:
         another waits for it in an all-reduce would never finish.)"""
         locked = self.compiled and self.device.type == "cuda" \
             and not isinstance(self.student, nn.parallel.DistributedDataParallel)
+        key = step_key(torch.__version__, torch.cuda.get_device_name(self.device) if locked else "", self.cfg.method,
+                       [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
+                       [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
+                       self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
+                       self.memory_format, self.bf16)
         t0 = time.monotonic()
-        with first_compile_lock(locked) as lock:
+        with first_compile_lock(key, locked) as lock:
             self._step(batch, gen, lr, alpha)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # its cuDNN tuning too, before the next trial's

@@ -52,6 +52,15 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
+def autotune_convolutions() -> None:
+    """cuDNN times every algorithm it has for each convolution shape at its first call and keeps the
+    fastest, instead of the 10 its heuristics rank first (``benchmark_limit`` 10, PyTorch's default): a
+    few seconds more at the first step, and for WRN-28-2 CowMix on an H100 134.0 -> 140.6 steps/s
+    (two processes each way, 2026-11-26), chiefly better weight-gradient kernels for the 32-channel stage."""
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark_limit = 0
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
@@ -151,7 +160,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     if cfg.train.deterministic:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     elif device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+        autotune_convolutions()
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
 
     data = data or prepare_data(cfg.data, cfg.labeled_seed, device)
