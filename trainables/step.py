@@ -188,10 +188,10 @@ class StepRunner:
             self._step(batch, gen, lr, alpha)
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
-        """The first step compiles: on CUDA under the machine's first-compile lock, so that trials packed on
-        one GPU compile one after another and all but the first load the kernels it cached. (Not for
-        data-parallel replicas: they meet in collectives during the step, and one waiting for the lock while
-        another waits for it in an all-reduce would never finish.)"""
+        """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
+        on one GPU the first compiles alone and the others then load the kernels it cached
+        (``trainables.compile_lock``). Not for data-parallel replicas: they meet in collectives during the
+        step, and one waiting for the lock while the holder waits for it in an all-reduce would never finish."""
         locked = self.compiled and self.device.type == "cuda" \
             and not isinstance(self.student, nn.parallel.DistributedDataParallel)
         key = step_key(torch.__version__, torch.cuda.get_device_name(self.device) if locked else "", self.cfg.method,
