@@ -12,16 +12,16 @@ from trainables.compile_lock import LOCK_NAME, cache_folder, first_compile_lock,
 COMPILER = """
 import sys, time
 from trainables.compile_lock import first_compile_lock
-with first_compile_lock(sys.argv[2]) as info:
+with first_compile_lock(sys.argv[2], max_wait_s=float(sys.argv[3])) as info:
     print(f"in {time.time()} {info['waited_s']}", flush=True)
     time.sleep(float(sys.argv[1]))
 """
 
 
-def _start(hold_s: float, cache: Path, key: str = "wrn") -> subprocess.Popen:
+def _start(hold_s: float, cache: Path, key: str = "wrn", max_wait_s: float = 60.0) -> subprocess.Popen:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", COMPILER, str(hold_s), key], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", COMPILER, str(hold_s), key, str(max_wait_s)], env=env, stdout=subprocess.PIPE, text=True)
 
 
 def _entered(proc: subprocess.Popen) -> tuple[float, float]:
@@ -66,6 +66,19 @@ def test_waiters_start_together_once_the_first_compile_is_done(tmp_path):
         procs.append(_start(0.1, tmp_path))
         again_in, again_waited = _entered(procs[-1])
         assert again_waited == 0.0 and again_in < shake_in + 4.0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_stuck_compilation_is_waited_for_only_so_long(tmp_path):
+    procs = [_start(8.0, tmp_path, key="stuck")]
+    try:
+        first_in, _ = _entered(procs[0])
+        procs.append(_start(0.1, tmp_path, key="stuck", max_wait_s=1.0))
+        late_in, late_waited = _entered(procs[1])
+        assert 1.0 <= late_waited < 2.0 and late_in < first_in + 8.0   # went ahead while the first still held it
     finally:
         for p in procs:
             p.kill()

@@ -36,11 +36,14 @@ def cache_folder() -> Path:
                     or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 
 
+MAX_WAIT_S = 900.0   # a compilation that holds the lock longer is stuck: compile without it
+
+
 @contextlib.contextmanager
-def first_compile_lock(key: str, enabled: bool = True) -> Iterator[dict[str, float]]:
+def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_WAIT_S) -> Iterator[dict[str, float]]:
     """Compile the step named by ``key`` in the body: at once if one like it has compiled on this machine
     before; else alone if no other process is compiling, or once the one that is has finished (alongside
-    the others that waited for it). Yields {"waited_s": seconds spent waiting}."""
+    the others that waited for it), or after ``max_wait_s`` regardless. Yields {"waited_s": seconds waited}."""
     info = {"waited_s": 0.0}
     folder = cache_folder()
     marker = folder / f"cowtune-compiled-{key}"
@@ -51,15 +54,24 @@ def first_compile_lock(key: str, enabled: bool = True) -> Iterator[dict[str, flo
     with open(folder / LOCK_NAME, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)   # nobody compiling: compile, others wait
-        except BlockingIOError:
+        except BlockingIOError:   # shared: granted to all waiters once the compiling process lets go
             t0 = time.monotonic()
-            fcntl.flock(handle, fcntl.LOCK_SH)   # granted when the compiling process lets go, to all waiters
+            while not _try_flock(handle, fcntl.LOCK_SH) and time.monotonic() - t0 < max_wait_s:
+                time.sleep(0.2)
             info["waited_s"] = time.monotonic() - t0
         try:
             yield info
             marker.touch()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_flock(handle, mode: int) -> bool:
+    try:
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def step_key(*parts: object) -> str:
