@@ -36,7 +36,7 @@ def _trial(config: dict[str, Any]) -> None:
         tune.report({**metrics, "peak_mem_gib": peak, "wall_time": time.time()})
 
     with tempfile.TemporaryDirectory() as out:
-        fit(cfg, out, report=report, data=data, log=lambda s: None)
+        fit(cfg, out, report=report, data=data, log=lambda s: None, shared_gpu=config["fraction"] < 1)
 
 
 def measure_packing(train_config: dict[str, Any], ks: list[int], gpus: float) -> list[dict[str, float]]:

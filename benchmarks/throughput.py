@@ -207,11 +207,12 @@ def packing_mode(args) -> int:
     train_config = {"model": model, "mix": {"name": "cowmix"},
                     "data": {**data, "n_labeled": 100 if args.tiny else 1000},
                     "train": {"batch_size": args.batch, "epochs": args.epochs, "steps_per_epoch": args.steps,
-                              "device": args.device, "eval_batch_size": 1000}}
+                              "device": args.device, "eval_batch_size": 1000, "gpu_turns": not args.no_gpu_turns}}
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     where = torch.cuda.get_device_name() if gpus else "cpu"
     print(f"# packing on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {model} CowMix, "
-          f"batch {args.batch}+{args.batch}, {args.epochs} epochs x {args.steps} steps per trial", flush=True)
+          f"batch {args.batch}+{args.batch}, {args.epochs} epochs x {args.steps} steps per trial, "
+          f"{'time-sliced' if args.no_gpu_turns else 'taking turns'} when packed", flush=True)
     rows = measure_packing(train_config, ks, gpus)
     print_packing(rows)
     if args.json:
@@ -230,6 +231,8 @@ def search_mode(args) -> int:
     extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}"]
     if args.concurrency:
         extra += ["--concurrency", str(args.concurrency)]
+    if args.no_gpu_turns:
+        extra += ["--set", "train.gpu_turns=false"]
     result = run_search_timed(args.search, args.epochs, args.data, "wrn28_2", args.tiny, extra)
     print_search(result, args.epochs)
     if args.json:
@@ -261,6 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--search", type=int, metavar="N", help="search mode: run the CowMix search script with N "
                    "WRN-28-2 trials (Ray Tune, Optuna, ASHA, MLflow) and print its wall time")
     p.add_argument("--epochs", type=int, default=3, help="packing and search modes: epochs per trial")
+    p.add_argument("--no-gpu-turns", action="store_true",
+                   help="packing and search modes: packed trials time-slice the GPU instead of taking turns")
     p.add_argument("--concurrency", type=int, help="search mode: trials at once (default: as many as the "
                    "trainable's GPU fraction lets share a GPU)")
     args = p.parse_args(argv)

@@ -165,3 +165,31 @@ def test_epochs_report_where_their_time_went(digits, tmp_path):
     assert first[M.FIRST_STEP_S] > 0 and first[M.COMPILE_WAIT_S] == 0.0   # on CPU no lock is taken
     assert M.FIRST_STEP_S not in second and M.COMPILE_WAIT_S not in second
     assert sum(line.strip().startswith("first step") for line in lines) == 1
+
+
+def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tmp_path, monkeypatch):
+    import fcntl
+    import tempfile
+    import threading
+
+    from trainables.trainer import train_epoch
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where gpu_turn keeps its lock files
+    cfg = tiny_config("cowmix", steps_per_epoch=4)
+    torch.manual_seed(0)
+    student = create_model(cfg.model, digits.num_classes)
+    runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 16),
+                        torch.device("cpu"), False)
+    out = {}
+    with open(tmp_path / "cowtune-gpu-turn-gpu0.lock", "a") as other_trial:
+        fcntl.flock(other_trial, fcntl.LOCK_EX)                  # another trial has the GPU
+        worker = threading.Thread(target=lambda: out.update(train_epoch(cfg, runner, digits, 0, 4, 0.1, turn="gpu0")))
+        worker.start()
+        worker.join(timeout=1.5)
+        # the first step (compilation on a GPU) ran without the turn; the others wait for it
+        assert worker.is_alive() and runner.count == 1
+        fcntl.flock(other_trial, fcntl.LOCK_UN)
+    worker.join(timeout=60)
+    assert runner.count == 4 and out[M.TURN_WAIT_S] >= 1.0
+    again = train_epoch(cfg, runner, digits, 1, 4, 0.1, turn="gpu0")  # free turn: all four steps in it
+    assert again[M.TURN_WAIT_S] < 0.5 and M.FIRST_STEP_S not in again
+    assert M.TURN_WAIT_S not in train_epoch(cfg, runner, digits, 2, 4, 0.1)   # not packed: no turns

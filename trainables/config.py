@@ -128,6 +128,8 @@ class TrainSettings:
                                       # graphs around each model pass, "none"
     stack_student_calls: bool = True  # one student call over the labeled, perturbed and mixed batches,
                                       # each with its own batch-norm statistics (same result, faster)
+    gpu_turns: bool = True            # packed with other trials on one GPU: each epoch's steps run in turns,
+                                      # one trial at a time, instead of time-slicing the GPU
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 

@@ -18,6 +18,7 @@ EVAL_S = "time/eval_s"
 CHECKPOINT_S = "time/checkpoint_s"
 FIRST_STEP_S = "time/first_step_s"
 COMPILE_WAIT_S = "time/compile_wait_s"
+TURN_WAIT_S = "time/gpu_turn_wait_s"   # trials packed on one GPU: waiting for the turn, part of train_s
 STEP = "step"
 
 

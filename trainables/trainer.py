@@ -12,6 +12,7 @@ checkpoint still records every RNG state for inspection.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -23,6 +24,7 @@ import torch
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, prepare_data, stream_seed
+from trainables.gpu_turns import gpu_identity, gpu_turn
 from trainables.models import create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
@@ -34,7 +36,7 @@ CHECKPOINT = "checkpoint.pt"
 # (compile modes, CUDA graphs and stacked student calls may pick other kernels: results agree to rounding,
 # not bit for bit).
 RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
-               "train.stack_student_calls", "train.eval_batch_size", "data.workers", "data.root", "data.download")
+               "train.stack_student_calls", "train.gpu_turns", "train.eval_batch_size", "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
 
@@ -102,13 +104,15 @@ def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: floa
 
 
 def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: int, steps_per_epoch: int,
-                base_lr: float, stream: int | None = None, log: Callable[[str], None] | None = None
-                ) -> dict[str, float]:
+                base_lr: float, stream: int | None = None, log: Callable[[str], None] | None = None,
+                turn: str | None = None) -> dict[str, float]:
     """Run one epoch of steps; return its training metrics (means), learning rate, epoch and step.
 
     The epoch's random streams are re-derived first: the global torch RNG from (seed, epoch) (shake-shake
     gates, dropout), the data order/augmentation and the masks from (``stream``, epoch); ``stream`` is the
     run seed, or a per-replica seed in data-parallel training. ``log`` gets a progress line every 15 s.
+    ``turn``: the GPU this process shares with other trials; the steps then run in its turn
+    (``trainables.gpu_turns``), all but a run's first step, which compiles and must not hold the GPU idle.
     """
     stream = cfg.seed if stream is None else stream
     torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))
@@ -116,30 +120,37 @@ def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: in
     runner.reset_metrics()
     augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
     first = runner.first_step is None
+    waited: dict[str, float] = {}
     t0 = t_print = time.monotonic()
-    for i, batch in enumerate(data.train_batches(epoch, stream, cfg.train.batch_size, steps_per_epoch, augment_twice)):
-        runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
-        if first and i == 0 and log is not None:
-            wait = runner.first_step[M.COMPILE_WAIT_S]
-            log(f"  first step {runner.first_step[M.FIRST_STEP_S]:.1f} s"
-                + (" (compilation, cuDNN tuning and graph capture)" if runner.compiled else "")
-                + (f", after {wait:.1f} s waiting for another process's compilation" if wait >= 0.5 else ""))
-        if log is not None and time.monotonic() - t_print > 15:
-            t_print = time.monotonic()
-            rate = (i + 1) / (t_print - t0)
-            log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
-                f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
-    metrics = runner.read_metrics()
+    with contextlib.ExitStack() as turns:
+        for i, batch in enumerate(data.train_batches(epoch, stream, cfg.train.batch_size, steps_per_epoch, augment_twice)):
+            if turn is not None and i == int(first):
+                waited = turns.enter_context(gpu_turn(turn))
+            runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))
+            if first and i == 0 and log is not None:
+                wait = runner.first_step[M.COMPILE_WAIT_S]
+                log(f"  first step {runner.first_step[M.FIRST_STEP_S]:.1f} s"
+                    + (" (compilation, cuDNN tuning and graph capture)" if runner.compiled else "")
+                    + (f", after {wait:.1f} s waiting for another process's compilation" if wait >= 0.5 else ""))
+            if log is not None and time.monotonic() - t_print > 15:
+                t_print = time.monotonic()
+                rate = (i + 1) / (t_print - t0)
+                log(f"  epoch {epoch + 1} step {i + 1}/{steps_per_epoch} | {rate:.1f} steps/s | "
+                    f"epoch ETA {_fmt_time((steps_per_epoch - i - 1) / rate)}")
+        metrics = runner.read_metrics()   # waits for the epoch's GPU work: then the turn passes on
     if first:
         metrics.update(runner.first_step)
+    if waited:
+        metrics[M.TURN_WAIT_S] = waited["waited_s"]
     metrics[M.LR] = base_lr * lr_factor((epoch + 1) * steps_per_epoch - 1, steps_per_epoch, cfg.optim)
     metrics[M.EPOCH], metrics[M.STEP] = epoch + 1, (epoch + 1) * steps_per_epoch
     return metrics
 
 
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
-        log: Callable[[str], None] = _print, restart: bool = False) -> dict[str, Any]:
+        log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
+    ``shared_gpu``: other trials are packed on this GPU; with ``train.gpu_turns`` the epochs take turns.
 
     Raises:
         ConfigError: bad config, bad data split, or a checkpoint made with a different config.
@@ -191,10 +202,11 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
 
     split = cfg.data.eval_split
     fmt = runner.memory_format
+    turn = gpu_identity(device) if shared_gpu and cfg.train.gpu_turns and device.type == "cuda" else None
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.monotonic()
-        metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log)
+        metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log, turn=turn)
         train_time = time.monotonic() - t0
         for name, model in (("teacher", teacher), ("student", student)):
             err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)

@@ -137,6 +137,7 @@ def train_trial(config: dict[str, Any]) -> None:
             run.log_artifact(ckpt_path, "checkpoint")    # what `cowtune promote` registers
         tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
 
-    fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True))
+    fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
+        shared_gpu=0 < meta.get("gpu", 0) < 1)
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)

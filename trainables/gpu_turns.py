@@ -1,0 +1,44 @@
+"""Trials packed on one GPU take turns with it, an epoch's steps at a time, instead of time-slicing it.
+
+Processes that share a GPU without MPS are time-sliced: the GPU switches between their contexts
+every few milliseconds, and each switch drains and restores work. Four packed WRN-28-2 CowMix trials
+on an H100 stepped at 133 steps/s together against 142 for one alone. With turns, one trial at a
+time runs its epoch's steps with the GPU to itself, while the others evaluate, checkpoint, report
+or wait; what still overlaps is short (evaluation, a new trial's compilation). The turn is an
+exclusive ``flock`` on a file named after the GPU's UUID, so it holds across processes and Ray
+workers on one machine; the kernel releases it if its holder dies.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The GPU's UUID (the same whatever CUDA_VISIBLE_DEVICES makes its index), else its name and index."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    return uuid or f"{props.name}-{index}".replace(" ", "_")
+
+
+@contextlib.contextmanager
+def gpu_turn(identity: str, folder: Path | None = None) -> Iterator[dict[str, float]]:
+    """Hold the turn on the GPU named ``identity`` for the body; yields {"waited_s": seconds waited for it}.
+    The body must finish its GPU work (synchronise) before it ends, or the next holder overlaps it."""
+    path = (folder or Path(tempfile.gettempdir())) / f"cowtune-gpu-turn-{identity}.lock"
+    info = {"waited_s": 0.0}
+    with open(path, "a") as handle:
+        t0 = time.monotonic()
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        info["waited_s"] = time.monotonic() - t0
+        try:
+            yield info
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
