@@ -169,6 +169,7 @@ def test_epochs_report_where_their_time_went(digits, tmp_path):
 
 def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tmp_path, monkeypatch):
     import fcntl
+    import os
     import tempfile
     import threading
 
@@ -180,7 +181,7 @@ def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tm
     runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 16),
                         torch.device("cpu"), False)
     out = {}
-    with open(tmp_path / "cowtune-gpu-turn-gpu0.lock", "a") as other_trial:
+    with open(tmp_path / f"cowtune-gpu-turn-{os.getuid()}-gpu0.lock", "a") as other_trial:
         fcntl.flock(other_trial, fcntl.LOCK_EX)                  # another trial has the GPU
         worker = threading.Thread(target=lambda: out.update(train_epoch(cfg, runner, digits, 0, 4, 0.1, turn="gpu0")))
         worker.start()

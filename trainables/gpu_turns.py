@@ -5,13 +5,14 @@ every few milliseconds, and each switch drains and restores work. Four packed WR
 on an H100 stepped at 133 steps/s together against 142 for one alone. With turns, one trial at a
 time runs its epoch's steps with the GPU to itself, while the others evaluate, checkpoint, report
 or wait; what still overlaps is short (evaluation, a new trial's compilation). The turn is an
-exclusive ``flock`` on a file named after the GPU's UUID, so it holds across processes and Ray
-workers on one machine; the kernel releases it if its holder dies.
+exclusive ``flock`` on a file named after the user and the GPU's UUID, so it holds across processes
+and Ray workers on one machine; the kernel releases it if its holder dies.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,8 @@ def gpu_identity(device: torch.device) -> str:
 def gpu_turn(identity: str, folder: Path | None = None) -> Iterator[dict[str, float]]:
     """Hold the turn on the GPU named ``identity`` for the body; yields {"waited_s": seconds waited for it}.
     The body must finish its GPU work (synchronise) before it ends, or the next holder overlaps it."""
-    path = (folder or Path(tempfile.gettempdir())) / f"cowtune-gpu-turn-{identity}.lock"
+    # per user: another user's lock file would not open for writing (their trials then time-slice with ours)
+    path = (folder or Path(tempfile.gettempdir())) / f"cowtune-gpu-turn-{os.getuid()}-{identity}.lock"
     info = {"waited_s": 0.0}
     with open(path, "a") as handle:
         t0 = time.monotonic()
