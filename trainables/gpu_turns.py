@@ -4,7 +4,9 @@ Processes that share a GPU without MPS are time-sliced: the GPU switches between
 every few milliseconds, and each switch drains and restores work. Four packed WRN-28-2 CowMix trials
 on an H100 stepped at 133 steps/s together against 142 for one alone. With turns, one trial at a
 time runs its epoch's steps with the GPU to itself, while the others evaluate, checkpoint, report
-or wait; what still overlaps is short (evaluation, a new trial's compilation). The turn is an
+or wait; what still overlaps is their evaluation and a new trial's first step (compilation, mostly
+on the CPU). Four trials taking turns on an H100: 141.7-145.0 steps/s, 136.5-139.5 with evaluation
+(time-sliced, on another H100 host: 128.0 and 120.8). The turn is an
 exclusive ``flock`` on a file named after the user and the GPU's UUID, so it holds across processes
 and Ray workers on one machine; the kernel releases it if its holder dies.
 """
@@ -30,11 +32,11 @@ def gpu_identity(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def gpu_turn(identity: str, folder: Path | None = None) -> Iterator[dict[str, float]]:
+def gpu_turn(identity: str) -> Iterator[dict[str, float]]:
     """Hold the turn on the GPU named ``identity`` for the body; yields {"waited_s": seconds waited for it}.
     The body must finish its GPU work (synchronise) before it ends, or the next holder overlaps it."""
     # per user: another user's lock file would not open for writing (their trials then time-slice with ours)
-    path = (folder or Path(tempfile.gettempdir())) / f"cowtune-gpu-turn-{os.getuid()}-{identity}.lock"
+    path = Path(tempfile.gettempdir()) / f"cowtune-gpu-turn-{os.getuid()}-{identity}.lock"
     info = {"waited_s": 0.0}
     with open(path, "a") as handle:
         t0 = time.monotonic()
