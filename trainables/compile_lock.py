@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from trainables.file_locks import try_lock
+
 LOCK_NAME = "cowtune-first-compile.lock"
 
 
@@ -52,11 +54,10 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
         return
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / LOCK_NAME, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)   # nobody compiling: compile, others wait
-        except BlockingIOError:   # shared: granted to all waiters once the compiling process lets go
+        if not try_lock(handle, fcntl.LOCK_EX):   # someone is compiling (else: compile, others wait)
+            # shared: granted to all waiters once the compiling process lets go
             t0 = time.monotonic()
-            while not _try_flock(handle, fcntl.LOCK_SH) and time.monotonic() - t0 < max_wait_s:
+            while not try_lock(handle, fcntl.LOCK_SH) and time.monotonic() - t0 < max_wait_s:
                 time.sleep(0.2)
             info["waited_s"] = time.monotonic() - t0
         try:
@@ -64,14 +65,6 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
             marker.touch()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _try_flock(handle, mode: int) -> bool:
-    try:
-        fcntl.flock(handle, mode | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 def step_key(*parts: object) -> str:

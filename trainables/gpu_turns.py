@@ -13,14 +13,13 @@ and Ray workers on one machine; the kernel releases it if its holder dies.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import tempfile
-import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
+
+from trainables.file_locks import exclusive
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -31,18 +30,8 @@ def gpu_identity(device: torch.device) -> str:
     return uuid or f"{props.name}-{index}".replace(" ", "_")
 
 
-@contextlib.contextmanager
-def gpu_turn(identity: str) -> Iterator[dict[str, float]]:
+def gpu_turn(identity: str) -> contextlib.AbstractContextManager[dict[str, float]]:
     """Hold the turn on the GPU named ``identity`` for the body; yields {"waited_s": seconds waited for it}.
     The body must finish its GPU work (synchronise) before it ends, or the next holder overlaps it."""
     # per user: another user's lock file would not open for writing (their trials then time-slice with ours)
-    path = Path(tempfile.gettempdir()) / f"cowtune-gpu-turn-{os.getuid()}-{identity}.lock"
-    info = {"waited_s": 0.0}
-    with open(path, "a") as handle:
-        t0 = time.monotonic()
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        info["waited_s"] = time.monotonic() - t0
-        try:
-            yield info
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return exclusive(Path(tempfile.gettempdir()) / f"cowtune-gpu-turn-{os.getuid()}-{identity}.lock")

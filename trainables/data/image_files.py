@@ -6,7 +6,6 @@ Small images are decoded once into a uint8 array and cached as .npz under $COWTU
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import io
 import math
@@ -20,6 +19,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from trainables.file_locks import exclusive
 from trainables.validation import ConfigError, check
 
 _CACHE_VERSION = "1"
@@ -135,13 +135,10 @@ def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | 
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # one process decodes, the others (packed trials, a search driver warming the cache) wait and read it
-        with open(path.with_suffix(".lock"), "a") as lock:
-            t0 = time.perf_counter()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            waited = time.perf_counter() - t0
+        with exclusive(path.with_suffix(".lock")) as lock:
             if not path.exists():
                 return _decode_to_cache(path, shown, train, test)
-        print(f"data: waited {waited:.1f} s for another process decoding {shown}", flush=True)
+        print(f"data: waited {lock['waited_s']:.1f} s for another process decoding {shown}", flush=True)
     t0 = time.perf_counter()
     with np.load(path, allow_pickle=False) as z:
         out = {k: z[k] for k in z.files}
