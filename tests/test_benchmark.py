@@ -61,3 +61,18 @@ def test_packing_mode_tiny_cpu(tmp_path):
         assert 0 < row["per_trial_steps_per_s"] < row["stepping_steps_per_s"]
         assert row["per_trial_steps_per_s"] == pytest.approx(row["aggregate_steps_per_s"] / row["k"])
     assert rows[0]["slowdown"] == pytest.approx(1.0)
+
+
+def test_first_step_tiny_cpu(tmp_path):
+    """The first-step benchmark runs each case in a fresh process: the cold one fills the compile caches,
+    the warm one loads every graph from them."""
+    out = tmp_path / "first.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--device", "cpu", "--tiny",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cold, warm = json.loads(out.read_text())["rows"]
+    assert (cold["run"], warm["run"]) == ("cold", "warm")
+    graphs = cold["fx_graph_cache"]["fxgraph_cache_miss"]
+    assert graphs >= 2 and "fxgraph_cache_hit" not in cold["fx_graph_cache"]   # student and teacher at least
+    assert warm["fx_graph_cache"] == {"fxgraph_cache_hit": graphs}
+    assert all(row["first_step_s"] > 0 and row["second_runner_first_step_s"] > 0 for row in (cold, warm))
