@@ -5,8 +5,8 @@ every few milliseconds, and each switch drains and restores work. Four packed WR
 on an H100 stepped at 133 steps/s together against 142 for one alone. With turns, one trial at a
 time runs its epoch's steps with the GPU to itself, while the others evaluate, checkpoint, report
 or wait; what still overlaps is their evaluation and a new trial's first step (compilation, mostly
-on the CPU). Four trials taking turns on an H100: 141.7-145.0 steps/s, 136.5-139.5 with evaluation
-(time-sliced, on another H100 host: 128.0 and 120.8). The turn is an
+on the CPU). On one H100, 2, 4 and 8 trials taking turns delivered 134.9-135.5 steps/s with their
+evaluations, time-sliced 119.9-122.5, and one trial alone 126.8 (``benchmarks/packing.py``). The turn is an
 exclusive ``flock`` on a file named after the user and the GPU's UUID, so it holds across processes
 and Ray workers on one machine; the kernel releases it if its holder dies.
 """
