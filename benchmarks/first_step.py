@@ -66,17 +66,19 @@ def child(args: argparse.Namespace) -> dict:
     raw = load_images(None, 2000)
     data = DeviceData(raw, make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint), True, 4, device)
     batch = next(iter(data.train_batches(0, 0, args.batch, 1, False)))
-    times = []
+    times, weights = [], []
     for _ in range(2):   # a new trial in a fresh process, then the next trial in the same process
         r = runner()
         r.step(batch, r.generator.manual_seed(0), 0.05, 0.97)
         times.append(r.first_step)
+        weights.append(sum(p.double().abs().sum() for p in r.student.parameters()).item())
     return {"imports_s": imports_s, "first_step_s": times[0]["time/first_step_s"],
             "compile_wait_s": times[0]["time/compile_wait_s"], "second_runner_first_step_s": times[1]["time/first_step_s"],
             "compile_s_per_graph": [round(t, 2) for t in compilation_time_metrics.get("_compile.compile_inner", [])],
             "fx_graph_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
-            "cudnn_benchmark_limit": torch.backends.cudnn.benchmark_limit if cuda else None}
+            "cudnn_benchmark_limit": torch.backends.cudnn.benchmark_limit if cuda else None,
+            "weights_after_first_step": weights}   # sum |w| of the student after each runner's first step
 
 
 def main() -> int:
@@ -113,10 +115,11 @@ def main() -> int:
                 raise SystemExit(f"first_step: the {label} run failed:\n{out.stderr[-3000:]}")
             result = json.loads(next(line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")))
             rows.append({"run": label, "process_s": time.monotonic() - t0, **result})
-            print(f"{label:>22}: first step {result['first_step_s']:6.1f} s (Dynamo + Inductor per graph "
-                  f"{result['compile_s_per_graph']} s; {result['fx_graph_cache']}; {result['aot_autograd_cache']}); "
-                  f"next trial in the same process {result['second_runner_first_step_s']:.2f} s; "
-                  f"imports {result['imports_s']:.1f} s", flush=True)
+            print(f"{label:>22}: first step {result['first_step_s']:5.1f} s, the next trial's in the same process "
+                  f"{result['second_runner_first_step_s']:.2f} s, imports {result['imports_s']:.1f} s; student sum |w| "
+                  f"after the step {result['weights_after_first_step'][0]:.6f}", flush=True)
+            print(f"{'':>22}  Dynamo + Inductor per graph {result['compile_s_per_graph']} s, "
+                  f"{result['fx_graph_cache']}, {result['aot_autograd_cache']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                                                "model": args.model, "rows": rows}, indent=2))

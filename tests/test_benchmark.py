@@ -65,7 +65,8 @@ def test_packing_mode_tiny_cpu(tmp_path):
 
 def test_first_step_tiny_cpu(tmp_path):
     """The first-step benchmark runs each case in a fresh process: the cold one fills the compile caches,
-    the warm one loads every graph from them."""
+    the warm one loads every graph from them, the student's training graph with its custom batch-norm
+    function included (AOTAutograd would otherwise bypass its cache and trace it again)."""
     out = tmp_path / "first.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_step.py"), "--device", "cpu", "--tiny",
                         "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -75,4 +76,9 @@ def test_first_step_tiny_cpu(tmp_path):
     graphs = cold["fx_graph_cache"]["fxgraph_cache_miss"]
     assert graphs >= 2 and "fxgraph_cache_hit" not in cold["fx_graph_cache"]   # student and teacher at least
     assert warm["fx_graph_cache"] == {"fxgraph_cache_hit": graphs}
+    saved = cold["aot_autograd_cache"]["autograd_cache_saved"]
+    assert saved >= 2 and "autograd_cache_bypass" not in cold["aot_autograd_cache"]   # student and teacher
+    assert warm["aot_autograd_cache"] == {"autograd_cache_hit": saved}
     assert all(row["first_step_s"] > 0 and row["second_runner_first_step_s"] > 0 for row in (cold, warm))
+    # the cached graphs compute what the freshly compiled ones did: same weights after the same first step
+    assert warm["weights_after_first_step"] == pytest.approx(cold["weights_after_first_step"], rel=1e-6)

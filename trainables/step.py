@@ -40,6 +40,17 @@ def frozen_bn_stats(model: nn.Module):
             m.momentum = mom
 
 
+def allow_custom_functions_in_compile_cache() -> None:
+    """Let AOTAutograd cache graphs that hold a custom ``autograd.Function`` (off by default in PyTorch):
+    without it the student's training graph, which holds ``SegmentedBatchNorm2d``'s one-pass function,
+    is traced and partitioned again by every new process, even when Inductor's cache has its kernels.
+    Dynamo traces the function's forward and backward into the graph, so they are part of the cache key."""
+    import torch._functorch.config as functorch
+
+    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):   # PyTorch 2.8+
+        functorch.autograd_cache_allow_custom_autograd_functions = True
+
+
 class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
 
@@ -73,6 +84,7 @@ class StepRunner:
             # kernels is one pass less per layer (WRN-28-2 CowMix, H100: 132.5 -> 139.4 steps/s with bn_relu)
             import torch._inductor.config as inductor
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
+            allow_custom_functions_in_compile_cache()
         self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
