@@ -47,7 +47,7 @@ def allow_custom_functions_in_compile_cache() -> None:
     Dynamo traces the function's forward and backward into the graph, so they are part of the cache key."""
     import torch._functorch.config as functorch
 
-    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):   # PyTorch 2.8+
+    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):   # absent in older PyTorch
         functorch.autograd_cache_allow_custom_autograd_functions = True
 
 
