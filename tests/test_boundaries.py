@@ -32,3 +32,16 @@ def test_platform_is_not_a_package():
     assert not list(platform.rglob("*.py"))
     import platform as stdlib_platform
     assert hasattr(stdlib_platform, "python_version")
+
+
+def test_search_driver_skips_the_compiler_stack():
+    """A search driver builds no model and compiles nothing: importing it must not pull in torchvision,
+    whose import loads torch._dynamo (about 2 s before Ray can start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainables.search, trainables.cli; "
+            "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from trainables.segmented_bn import bn_relu, convert_batch_norm
@@ -271,19 +270,26 @@ def wrn20_6_shakeshake(num_classes: int) -> nn.Module:
 
 
 # torchvision definitions, random init; zero-init of the last BN matches reference §6.4.
+def _torchvision_resnet(name: str, num_classes: int) -> nn.Module:
+    import torchvision.models   # here, not at the top: torchvision imports torch._dynamo (2 s), which
+    # a search driver or a `cowtune` command that builds no model never needs
+
+    return getattr(torchvision.models, name)(weights=None, num_classes=num_classes, zero_init_residual=True)
+
+
 @register_model("resnet18")
 def resnet18(num_classes: int) -> nn.Module:
-    return torchvision.models.resnet18(weights=None, num_classes=num_classes, zero_init_residual=True)
+    return _torchvision_resnet("resnet18", num_classes)
 
 
 @register_model("resnet50")
 def resnet50(num_classes: int) -> nn.Module:
-    return torchvision.models.resnet50(weights=None, num_classes=num_classes, zero_init_residual=True)
+    return _torchvision_resnet("resnet50", num_classes)
 
 
 @register_model("resnet152")
 def resnet152(num_classes: int) -> nn.Module:
-    return torchvision.models.resnet152(weights=None, num_classes=num_classes, zero_init_residual=True)
+    return _torchvision_resnet("resnet152", num_classes)
 
 
 @register_model("cnn_tiny")
