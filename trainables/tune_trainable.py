@@ -33,7 +33,9 @@ from trainables.validation import ConfigError
 
 LIVE_CURVE_S = 30.0   # seconds between a trial's own learning-curve drawings
 
-# GPU share per trial by model, sized so N packed trials fit one 80 GB card with room to spare.
+# GPU share per trial by model, sized so N packed trials fit one 80 GB card with room to spare. wrn28_2 from
+# `benchmarks/throughput.py --packing 1,2,4,8` (H100, trials taking turns: 2, 4 and 8 packed deliver 135 steps/s,
+# one alone 127): four, so that new trials' start-up and every evaluation overlap the others' training.
 GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
                 "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
 META, TRAIN_CONFIG = "_cowtune", "_final"   # driver settings; final runs: {"config": ..., "dataset", "labels", ...}
