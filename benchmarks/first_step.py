@@ -33,14 +33,10 @@ def child(args: argparse.Namespace) -> dict:
 
     from trainables.config import TrainConfig
     from trainables.data import DeviceData, make_splits
-    from trainables.models import create_model
-    from trainables.optim import make_optimizer
-    from trainables.ssl.ema import make_teacher
-    from trainables.step import StepRunner
     from trainables.trainer import autotune_convolutions
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput import load_images
+    from throughput import load_images, make_runner
 
     imports_s = time.monotonic() - T_START
     device = torch.device(args.device)
@@ -49,26 +45,18 @@ def child(args: argparse.Namespace) -> dict:
         autotune_convolutions()
         if args.cudnn_limit is not None:
             torch.backends.cudnn.benchmark_limit = args.cudnn_limit
-    cfg = TrainConfig.from_dict({
+    cfg = TrainConfig.from_dict({   # throughput.make_config's, but compiled on the CPU too
         "model": args.model, "mix": {"name": "cowmix"},
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": args.batch, "device": args.device, "precision": "bf16" if cuda else "fp32",
                   "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none"}})
-
-    def runner() -> StepRunner:
-        torch.manual_seed(0)
-        student = create_model(cfg.model, 10).to(device)
-        if cuda:
-            student = student.to(memory_format=torch.channels_last)
-        return StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, args.batch),
-                          device, cuda)
 
     raw = load_images(None, 2000)
     data = DeviceData(raw, make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint), True, 4, device)
     batch = next(iter(data.train_batches(0, 0, args.batch, 1, False)))
     times, weights = [], []
     for _ in range(2):   # a new trial in a fresh process, then the next trial in the same process
-        r = runner()
+        r = make_runner(cfg, 10, device)
         r.step(batch, r.generator.manual_seed(0), 0.05, 0.97)
         times.append(r.first_step)
         weights.append(sum(p.double().abs().sum() for p in r.student.parameters()).item())

@@ -168,11 +168,10 @@ def test_epochs_report_where_their_time_went(digits, tmp_path):
 
 
 def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tmp_path, monkeypatch):
-    import fcntl
-    import os
     import tempfile
     import threading
 
+    from trainables.gpu_turns import gpu_turn
     from trainables.trainer import train_epoch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where gpu_turn keeps its lock files
     cfg = tiny_config("cowmix", steps_per_epoch=4)
@@ -181,14 +180,12 @@ def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tm
     runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 16),
                         torch.device("cpu"), False)
     out = {}
-    with open(tmp_path / f"cowtune-gpu-turn-{os.getuid()}-gpu0.lock", "a") as other_trial:
-        fcntl.flock(other_trial, fcntl.LOCK_EX)                  # another trial has the GPU
+    with gpu_turn("gpu0"):                                       # another trial has the GPU
         worker = threading.Thread(target=lambda: out.update(train_epoch(cfg, runner, digits, 0, 4, 0.1, turn="gpu0")))
         worker.start()
         worker.join(timeout=1.5)
         # the first step (compilation on a GPU) ran without the turn; the others wait for it
         assert worker.is_alive() and runner.count == 1
-        fcntl.flock(other_trial, fcntl.LOCK_UN)
     worker.join(timeout=60)
     assert runner.count == 4 and out[M.TURN_WAIT_S] >= 1.0
     again = train_epoch(cfg, runner, digits, 1, 4, 0.1, turn="gpu0")  # free turn: all four steps in it
