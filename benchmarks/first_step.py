@@ -63,6 +63,8 @@ def child(args: argparse.Namespace) -> dict:
     return {"imports_s": imports_s, "first_step_s": times[0]["time/first_step_s"],
             "compile_wait_s": times[0]["time/compile_wait_s"], "second_runner_first_step_s": times[1]["time/first_step_s"],
             "compile_s_per_graph": [round(t, 2) for t in compilation_time_metrics.get("_compile.compile_inner", [])],
+            "compile_s_by_phase": dict(sorted(((k, round(sum(v), 2)) for k, v in compilation_time_metrics.items()
+                                              if sum(v) >= 0.2), key=lambda kv: -kv[1])),
             "fx_graph_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
             "aot_autograd_cache": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")},
             "cudnn_benchmark_limit": torch.backends.cudnn.benchmark_limit if cuda else None,

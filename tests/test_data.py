@@ -284,6 +284,29 @@ def test_imagefolder_mixed_sizes_rejected_for_device(tmp_path, monkeypatch):
         D.prepare_data(DataConfig(dataset="imagefolder", root=str(tmp_path / "missing")), 0, CPU)
 
 
+def test_decode_in_worker_processes_matches_one_process(tmp_path):
+    """Large sets are decoded by ``python -m trainables.image_decode`` workers over contiguous ranges:
+    the same array as one process, from a folder and a zip, and a wrong-sized image found at its position."""
+    from trainables.image_decode import decode_images
+
+    tree = tmp_path / "tree"
+    _write_tree(tree, classes=3, per_class=7, size=16, split_dirs=False)
+    zipped = _zip_tree(tree, tmp_path / "t.zip")
+    names = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*.png"))
+    one, bad = decode_images(str(tree), names, (16, 16), workers=1)
+    assert bad is None and one.shape == (21, 16, 16, 3) and one.dtype == np.uint8
+    assert np.array_equal(one[8], np.array(Image.open(tree / names[8])))
+    for root in (str(tree), str(zipped)):
+        many, bad = decode_images(root, names, (16, 16), workers=3)
+        assert bad is None and np.array_equal(many, one)
+    Image.new("RGB", (20, 16)).save(tree / "class2" / "003.png")   # position 17, in the third worker's range
+    for workers in (1, 3):
+        part, bad = decode_images(str(tree), names, (16, 16), workers=workers)
+        assert bad == (17, (20, 16)) and np.array_equal(part, one[:17])
+    with pytest.raises(ConfigError, match="class2/003.png is 20x16"):
+        image_files._decode_all(image_files.FileImages(str(tree), np.array(names)), "tree", workers=3)
+
+
 def test_loader_pipeline_large_images(tmp_path):
     tree = tmp_path / "big"
     _write_tree(tree, classes=2, per_class=6, size=80, split_dirs=False)

@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from trainables.file_locks import exclusive
+from trainables.image_decode import decode_images, default_workers
 from trainables.validation import ConfigError, check
 
 _CACHE_VERSION = "1"
@@ -149,9 +150,10 @@ def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | 
 
 def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages | None) -> dict[str, np.ndarray]:
     t0 = time.perf_counter()
-    out = {"train": _decode_all(train, shown)}
+    workers = default_workers(len(train) + (len(test) if test is not None else 0))
+    out = {"train": _decode_all(train, shown, workers)}
     if test is not None:
-        out["test"] = _decode_all(test, shown)
+        out["test"] = _decode_all(test, shown, workers)
         check(out["test"].shape[1:] == out["train"].shape[1:], "data.root",
               "hold test images of the training image size", shown)
     mean, std = _channel_stats(out["train"])
@@ -160,23 +162,22 @@ def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages
     np.savez(tmp, **out)
     os.replace(tmp, path)  # atomic: concurrent trials never read a half-written cache
     n = len(out["train"]) + (len(out["test"]) if test is not None else 0)
-    print(f"data: decoded {n} images of {shown} in {time.perf_counter() - t0:.1f} s, cached to {path}", flush=True)
+    print(f"data: decoded {n} images of {shown} in {time.perf_counter() - t0:.1f} s "
+          f"({workers} process{'es' if workers > 1 else ''}), cached to {path}", flush=True)
     return out
 
 
-def _decode_all(files: FileImages, shown: str) -> np.ndarray:
-    """(N, H, W, 3) uint8; every image must have the first image's size."""
-    first = np.asarray(files.load(0))
-    out = np.empty((len(files),) + first.shape, dtype=np.uint8)
-    out[0] = first
-    for i in range(1, len(files)):
-        img = files.load(i)
-        if img.size != (first.shape[1], first.shape[0]):
-            raise ConfigError(
-                f"data.root must hold images of one size for the device pipeline (first is "
-                f"{first.shape[1]}x{first.shape[0]}, {files.names[i]} is {img.size[0]}x{img.size[1]}); "
-                f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
-        out[i] = np.asarray(img)
+def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np.ndarray:
+    """(N, H, W, 3) uint8, decoded by ``workers`` processes (default: by the count,
+    ``trainables.image_decode.default_workers``); every image must have the first image's size."""
+    first = files.load(0)
+    out, bad = decode_images(files.root, files.names, first.size, workers)
+    if bad is not None:
+        i, (w, h) = bad
+        raise ConfigError(
+            f"data.root must hold images of one size for the device pipeline (first is "
+            f"{first.size[0]}x{first.size[1]}, {files.names[i]} is {w}x{h}); "
+            f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
     return out
 
 
