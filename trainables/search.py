@@ -22,7 +22,7 @@ import ray
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
-from trainables import intervals, tracking
+from trainables import compile_ahead, intervals, tracking
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
@@ -73,7 +73,10 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         check_files(plan, args)
     except ConfigError as exc:
         raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
-    warm_decode_cache(TrainConfig.from_dict(plan.base).data)   # while Ray starts the workers that read it
+    base = TrainConfig.from_dict(plan.base)
+    if not args.no_compile_ahead:   # the step's first compilation, the longest wait, starts now
+        compile_ahead.start(base)
+    warm_decode_cache(base.data)   # while Ray starts the workers that read it
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags)
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",

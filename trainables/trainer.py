@@ -147,6 +147,30 @@ def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: in
     return metrics
 
 
+def setup_device(cfg: TrainConfig) -> torch.device:
+    """The run's device, with its CPU threads and cuDNN algorithm choice set as ``cfg`` asks."""
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    elif device.type == "cuda":
+        autotune_convolutions()
+    return device
+
+
+def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> StepRunner:
+    """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them."""
+    torch.manual_seed(cfg.seed)
+    student = create_model(cfg.model, num_classes).to(device)
+    if cfg.train.channels_last and device.type == "cuda":
+        student = student.to(memory_format=torch.channels_last)
+    teacher = make_teacher(student)
+    optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    return StepRunner(cfg, student, teacher, optimizer, device, bf16)
+
+
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
         log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
@@ -165,25 +189,12 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
         if diff:
             raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
                               "use another output folder, or pass --restart to start over")
-    device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    elif device.type == "cuda":
-        autotune_convolutions()
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-
+    device = setup_device(cfg)
     data = data or prepare_data(cfg.data, cfg.labeled_seed, device)
     log(f"data: {data.describe()}")
-    torch.manual_seed(cfg.seed)
-    student = create_model(cfg.model, data.num_classes).to(device)
-    if cfg.train.channels_last and device.type == "cuda":
-        student = student.to(memory_format=torch.channels_last)
-    teacher = make_teacher(student)
-    optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
+    runner = build_runner(cfg, data.num_classes, device)
+    student, teacher, optimizer, bf16 = runner.student, runner.teacher, runner.optimizer, runner.bf16
     base_lr = optimizer.param_groups[0]["lr"]
-    runner = StepRunner(cfg, student, teacher, optimizer, device, bf16)
     steps_per_epoch = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
 
     history: list[dict[str, float]] = []

@@ -1,0 +1,114 @@
+"""Compile a search's training step on the driver's GPU while Ray starts and the first trials set up.
+
+A trial compiles its step (Dynamo, Inductor, cuDNN tuning, CUDA-graph capture) at its first step,
+and on a machine with empty compile caches that is the longest wait of a search: WRN-28-2 CowMix on
+an H100 host took 50-71 s, and a trial only gets there some 40 s after launch (driver imports, Ray,
+MLflow, worker start, data). The driver therefore starts ``python -m trainables.compile_ahead`` at
+once: a process that builds the step exactly as a trial does (``trainer.setup_device``,
+``build_runner``, ``train_epoch`` with one step, same data) and runs that first step under the
+machine's first-compile lock (``trainables.compile_lock``). Trials that get there first wait for it,
+then load its graphs and kernels from Inductor's on-disk caches; later ones find the caches warm.
+It trains nothing that is kept and touches no trial's random streams. If it fails, the trials
+compile for themselves, as without it.
+
+    proc = start(cfg)                      # None where the driver has no GPU or cfg does not compile
+    python -m trainables.compile_ahead CONFIG.json   # what it runs; prints one line when done
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from trainables.config import TrainConfig
+
+TIMEOUT_S = 900.0   # as long as a trial waits for the first-compile lock before compiling itself
+
+
+def reason_not_to(cfg: TrainConfig) -> str | None:
+    """Why compiling ahead on this machine would not help the trials of ``cfg``; None when it would."""
+    import torch
+
+    if cfg.train.device not in ("auto", "cuda") and not cfg.train.device.startswith("cuda"):
+        return f"trials run on {cfg.train.device}"
+    if cfg.train.compile is False:
+        return "train.compile is off"
+    if not torch.cuda.is_available():
+        return "no GPU on this machine"
+    return None
+
+
+def start(cfg: TrainConfig, log: Callable[[str], None] = print, timeout_s: float = TIMEOUT_S
+          ) -> subprocess.Popen | None:
+    """Start compiling ``cfg``'s step in a background process; returns it, or None (and says why) when
+    there is nothing to gain. A watcher thread says when it ends and stops it after ``timeout_s``."""
+    why = reason_not_to(cfg)
+    if why is not None:
+        log(f"compile ahead: skipped ({why})")
+        return None
+    work = Path(tempfile.mkdtemp(prefix="cowtune-compile-ahead-"))
+    (work / "config.json").write_text(json.dumps(cfg.to_dict()))
+    package_parent = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    out = open(work / "compile.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "trainables.compile_ahead", str(work / "config.json")],
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    out.close()
+    log(f"compile ahead: compiling the {cfg.model} {cfg.method} step in the background (pid {proc.pid}, "
+        f"log {work / 'compile.log'}); trials load what it compiles")
+
+    def watch() -> None:
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log(f"compile ahead: stopped after {timeout_s:.0f} s; the trials compile for themselves")
+            return
+        tail = (work / "compile.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        if code == 0:
+            log(f"{tail[0]} ({time.monotonic() - t0:.0f} s after it started)")
+        else:
+            log(f"compile ahead: failed (exit {code}; {work / 'compile.log'}); the trials compile for themselves")
+
+    threading.Thread(target=watch, name="cowtune-compile-ahead", daemon=True).start()
+    atexit.register(lambda: proc.poll() is None and proc.kill())   # the driver stopping takes it along
+    return proc
+
+
+def compile_step(cfg: TrainConfig) -> dict[str, float]:
+    """Build the step as a trial does and run its first step; returns the runner's first-step timings."""
+    from trainables.data import prepare_data
+    from trainables.trainer import build_runner, setup_device, train_epoch
+
+    device = setup_device(cfg)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device)
+    runner = build_runner(cfg, data.num_classes, device)
+    train_epoch(cfg, runner, data, 0, 1, runner.optimizer.param_groups[0]["lr"])
+    return runner.first_step or {}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m trainables.compile_ahead CONFIG.json", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
+    timings = compile_step(cfg)
+    from trainables import metrics as M
+
+    print(f"compile ahead: compiled the {cfg.model} {cfg.method} step "
+          f"(first step {timings.get(M.FIRST_STEP_S, float('nan')):.1f} s, "
+          f"{time.monotonic() - t0:.1f} s with set-up)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
