@@ -79,3 +79,15 @@ def test_start_runs_on_a_gpu(tmp_path):   # pragma: no cover - CI has no GPU
     cfg = TrainConfig.from_dict({**CONFIG, "train": {**CONFIG["train"], "device": "cuda"}})
     proc = compile_ahead.start(cfg, log=lambda s: None)
     assert proc is not None and proc.wait(600) == 0
+
+
+def test_compiled_before_reads_the_marker_the_lock_leaves(tmp_path, monkeypatch):
+    """compile_ahead exits at once where the step compiled before: it asks the lock's own marker."""
+    from trainables import compile_lock
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compile_lock.cache_folder() == tmp_path
+    assert not compile_lock.compiled_before("k1")
+    with compile_lock.first_compile_lock("k1") as lock:
+        assert lock == {"waited_s": 0.0} and not compile_lock.compiled_before("k1")
+    assert compile_lock.compiled_before("k1") and not compile_lock.compiled_before("k2")

@@ -38,6 +38,11 @@ def cache_folder() -> Path:
                     or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 
 
+def compiled_before(key: str) -> bool:
+    """Whether a step named ``key`` has compiled on this machine (its marker is in the cache folder)."""
+    return (cache_folder() / f"cowtune-compiled-{key}").exists()
+
+
 MAX_WAIT_S = 900.0   # a compilation that holds the lock longer is stuck: compile without it
 
 
@@ -48,8 +53,7 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
     the others that waited for it), or after ``max_wait_s`` regardless. Yields {"waited_s": seconds waited}."""
     info = {"waited_s": 0.0}
     folder = cache_folder()
-    marker = folder / f"cowtune-compiled-{key}"
-    if not enabled or marker.exists():
+    if not enabled or compiled_before(key):
         yield info
         return
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,7 +66,7 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
             info["waited_s"] = time.monotonic() - t0
         try:
             yield info
-            marker.touch()
+            (folder / f"cowtune-compiled-{key}").touch()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

@@ -199,20 +199,27 @@ class StepRunner:
         else:
             self._step(batch, gen, lr, alpha)
 
+    @property
+    def compile_locked(self) -> bool:
+        """Whether this runner's first step compiles under the machine's first-compile lock."""
+        return self.compiled and self.device.type == "cuda" \
+            and not isinstance(self.student, nn.parallel.DistributedDataParallel)
+
+    def compile_key(self, batch: Batch) -> str:
+        """What this step's compiled graphs depend on, as the first-compile lock names it."""
+        return step_key(torch.__version__, torch.cuda.get_device_name(self.device) if self.compile_locked else "",
+                        self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
+                        [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
+                        self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
+                        self.memory_format, self.bf16)
+
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
         on one GPU the first compiles alone and the others then load the kernels it cached
         (``trainables.compile_lock``). Not for data-parallel replicas: they meet in collectives during the
         step, and one waiting for the lock while the holder waits for it in an all-reduce would never finish."""
-        locked = self.compiled and self.device.type == "cuda" \
-            and not isinstance(self.student, nn.parallel.DistributedDataParallel)
-        key = step_key(torch.__version__, torch.cuda.get_device_name(self.device) if locked else "", self.cfg.method,
-                       [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
-                       [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
-                       self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
-                       self.memory_format, self.bf16)
         t0 = time.monotonic()
-        with first_compile_lock(key, locked) as lock:
+        with first_compile_lock(self.compile_key(batch), self.compile_locked) as lock:
             self._step(batch, gen, lr, alpha)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # its cuDNN tuning too, before the next trial's
