@@ -38,9 +38,13 @@ def cache_folder() -> Path:
                     or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
 
 
+def _marker(key: str) -> Path:
+    return cache_folder() / f"cowtune-compiled-{key}"
+
+
 def compiled_before(key: str) -> bool:
     """Whether a step named ``key`` has compiled on this machine (its marker is in the cache folder)."""
-    return (cache_folder() / f"cowtune-compiled-{key}").exists()
+    return _marker(key).exists()
 
 
 MAX_WAIT_S = 900.0   # a compilation that holds the lock longer is stuck: compile without it
@@ -66,7 +70,7 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
             info["waited_s"] = time.monotonic() - t0
         try:
             yield info
-            (folder / f"cowtune-compiled-{key}").touch()
+            _marker(key).touch()
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
