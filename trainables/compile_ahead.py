@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainables.child_process import module_command
 from trainables.config import TrainConfig
 
 TIMEOUT_S = 900.0   # as long as a trial waits for the first-compile lock before compiling itself
@@ -39,7 +39,7 @@ def reason_not_to(cfg: TrainConfig) -> str | None:
     """Why compiling ahead on this machine would not help the trials of ``cfg``; None when it would."""
     import torch
 
-    if cfg.train.device not in ("auto", "cuda") and not cfg.train.device.startswith("cuda"):
+    if cfg.train.device != "auto" and not cfg.train.device.startswith("cuda"):
         return f"trials run on {cfg.train.device}"
     if cfg.train.compile is False:
         return "train.compile is off"
@@ -58,12 +58,10 @@ def start(cfg: TrainConfig, log: Callable[[str], None] = print, timeout_s: float
         return None
     work = Path(tempfile.mkdtemp(prefix="cowtune-compile-ahead-"))
     (work / "config.json").write_text(json.dumps(cfg.to_dict()))
-    package_parent = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    argv, env = module_command("trainables.compile_ahead", str(work / "config.json"))
     out = open(work / "compile.log", "w")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "trainables.compile_ahead", str(work / "config.json")],
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     out.close()
     log(f"compile ahead: compiling the {cfg.model} {cfg.method} step in the background (pid {proc.pid}, "
         f"log {work / 'compile.log'}); trials load what it compiles")

@@ -20,6 +20,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from trainables.child_process import module_command
+
 MIN_IMAGES_PER_WORKER = 2000   # below this a process costs more than it saves
 MAX_WORKERS = 8
 
@@ -30,7 +32,8 @@ def default_workers(n_images: int) -> int:
     return max(1, min(cores, MAX_WORKERS, n_images // MIN_IMAGES_PER_WORKER))
 
 
-def _open(root: str, name: str, zf: zipfile.ZipFile | None) -> Image.Image:
+def open_image(root: str, name: str, zf: zipfile.ZipFile | None) -> Image.Image:
+    """Image ``name`` of the folder ``root``, or member ``name`` of the open zip ``zf`` (header read only)."""
     if zf is None:
         return Image.open(os.path.join(root, name))
     return Image.open(io.BytesIO(zf.read(name)))
@@ -45,7 +48,7 @@ def decode_range(root: str, names: Sequence[str], size: tuple[int, int]
     try:
         out = np.empty((len(names), size[1], size[0], 3), dtype=np.uint8)
         for i, name in enumerate(names):
-            img = _open(root, name, zf).convert("RGB")
+            img = open_image(root, name, zf).convert("RGB")
             if img.size != size:
                 return out[:i], (i, img.size)
             out[i] = np.asarray(img)
@@ -68,14 +71,12 @@ def decode_images(root: str, names: Sequence[str], size: tuple[int, int], worker
     if workers <= 1:
         return decode_range(root, names, size)
     bounds = np.linspace(0, len(names), workers + 1).astype(int)
-    package_parent = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="cowtune-decode-") as tmp:
         Path(tmp, "names.json").write_text(json.dumps(names), encoding="utf-8")
-        procs = [subprocess.Popen([sys.executable, "-m", "trainables.image_decode", root, f"{tmp}/names.json",
-                                   str(a), str(b), str(size[0]), str(size[1]), f"{tmp}/{a}.npy"],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for a, b in zip(bounds[:-1], bounds[1:])]
+        commands = [module_command("trainables.image_decode", root, f"{tmp}/names.json", str(a), str(b),
+                                   str(size[0]), str(size[1]), f"{tmp}/{a}.npy") for a, b in zip(bounds[:-1], bounds[1:])]
+        procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for argv, env in commands]
         results = [(p, *p.communicate()) for p in procs]
         for p, _, err in results:
             if p.returncode != 0:

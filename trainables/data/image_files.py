@@ -7,7 +7,6 @@ Small images are decoded once into a uint8 array and cached as .npz under $COWTU
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import os
 import time
@@ -20,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from trainables.file_locks import exclusive
-from trainables.image_decode import decode_images, default_workers
+from trainables.image_decode import decode_images, default_workers, open_image
 from trainables.validation import ConfigError, check
 
 _CACHE_VERSION = "1"
@@ -43,10 +42,7 @@ class FileImages:
 
     def open(self, i: int) -> Image.Image:
         """The i-th image, not yet decoded (PIL reads the header only)."""
-        name = str(self.names[i])
-        if os.path.isdir(self.root):
-            return Image.open(os.path.join(self.root, name))
-        return Image.open(io.BytesIO(_zip_handle(self.root).read(name)))
+        return open_image(self.root, str(self.names[i]), None if os.path.isdir(self.root) else _zip_handle(self.root))
 
     def load(self, i: int) -> Image.Image:
         return self.open(i).convert("RGB")
