@@ -31,11 +31,8 @@ from roofline import device_peaks, measure_step_cost  # noqa: E402
 
 from trainables.config import DataConfig, TrainConfig  # noqa: E402
 from trainables.data import Batch, DeviceData, RawDataset, load_raw, make_splits  # noqa: E402
-from trainables.models import create_model  # noqa: E402
-from trainables.optim import make_optimizer  # noqa: E402
-from trainables.ssl.ema import make_teacher  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
-from trainables.trainer import autotune_convolutions  # noqa: E402
+from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 METHODS = {
     "supervised": {},
@@ -57,25 +54,16 @@ def load_images(path: str | None, n_synthetic: int) -> RawDataset:
 
 
 def make_config(model: str, method: str, batch: int, device: str, fast: bool, compile_: bool,
-                compile_mode: str = "reduce-overhead", cuda_graph: str = "step", stack: bool = True) -> TrainConfig:
+                compile_mode: str = "reduce-overhead", cuda_graph: str = "step", stack: bool = True,
+                conv_kernels: str = "cudnn") -> TrainConfig:
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": batch, "device": device, "precision": "bf16" if fast else "fp32",
                   "channels_last": fast, "compile": fast and compile_, "compile_mode": compile_mode,
-                  "cuda_graph": cuda_graph if fast else "none", "stack_student_calls": fast and stack},
+                  "cuda_graph": cuda_graph if fast else "none", "stack_student_calls": fast and stack,
+                  "conv_kernels": conv_kernels if fast else "cudnn"},
     })
-
-
-def make_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> StepRunner:
-    torch.manual_seed(0)
-    student = create_model(cfg.model, num_classes).to(device)
-    if cfg.train.channels_last and device.type == "cuda":
-        student = student.to(memory_format=torch.channels_last)
-    teacher = make_teacher(student)
-    opt = make_optimizer(student, cfg.optim, cfg.train.batch_size)
-    bf16 = cfg.train.precision == "bf16"
-    return StepRunner(cfg, student, teacher, opt, device, bf16)
 
 
 def sync(device: torch.device) -> None:
@@ -138,8 +126,8 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
         if label == "conventional" and args.no_baseline:
             continue
         cfg = make_config(model, method, args.batch, str(device), fast, not args.no_compile, args.compile_mode,
-                          args.cuda_graph, not args.separate_calls)
-        runner = make_runner(cfg, len(raw.class_names), device)
+                          args.cuda_graph, not args.separate_calls, args.conv_kernels)
+        runner = build_runner(cfg, len(raw.class_names), device)
         gen = runner.generator.manual_seed(0)
         twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
         total = args.warmup + args.steps
@@ -161,7 +149,7 @@ def bench_one(model: str, method: str, raw: RawDataset, splits, args, device: to
             # FLOPs and roofline of the same step, counted eagerly (op by op) on one batch, with one student
             # call per batch: eagerly, a stacked call's per-batch batch norm adds a concatenation per layer
             # that the compiled step fuses away, and the roofline should count the work, not our layout of it
-            eager = make_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none",
+            eager = build_runner(make_config(model, method, args.batch, str(device), True, False, cuda_graph="none",
                                             stack=False), len(raw.class_names), device)
             batch = next(iter(DeviceData(raw, splits, True, 4, device).train_batches(1, 0, args.batch, 1, twice)))
             cost = measure_step_cost(lambda: eager.step(batch, eager.generator.manual_seed(0), 0.05, 0.97),
@@ -228,7 +216,8 @@ def search_mode(args) -> int:
     print(f"# search wall time on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
           f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
           flush=True)
-    extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}"]
+    extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}",
+                                                                     "--set", f"train.conv_kernels={args.conv_kernels}"]
     if args.concurrency:
         extra += ["--concurrency", str(args.concurrency)]
     if args.no_gpu_turns:
@@ -257,6 +246,8 @@ def main(argv=None) -> int:
                    help="one CUDA graph per step, torch.compile's graphs per model pass, or none")
     p.add_argument("--separate-calls", action="store_true",
                    help="one student call per batch instead of one stacked call (train.stack_student_calls=false)")
+    p.add_argument("--conv-kernels", default="cudnn", choices=("cudnn", "triton"),
+                   help="the fast pipeline's 3x3 convolutions: cuDNN or our Triton kernels (train.conv_kernels)")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps: a smoke run for CI")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "

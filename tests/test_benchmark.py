@@ -82,3 +82,20 @@ def test_first_step_tiny_cpu(tmp_path):
     assert all(row["first_step_s"] > 0 and row["second_runner_first_step_s"] > 0 for row in (cold, warm))
     # the cached graphs compute what the freshly compiled ones did: same weights after the same first step
     assert warm["weights_after_first_step"] == pytest.approx(cold["weights_after_first_step"], rel=1e-6)
+
+
+def test_conv_kernel_benchmark_tiny_cpu(tmp_path):
+    """The convolution kernel benchmark's interpreter smoke run: every comparison on every tiny shape runs
+    and agrees with PyTorch (the benchmark exits 1 on an error or a flagged error)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "conv.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_triton_bench.py"), "--device", "cpu",
+                        "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    ops = {name for row in results for name in row["ops"]}
+    assert {"fprop", "dgrad", "wgrad", "fprop_prologue", "wgrad_prologue", "fprop_prologue_stats"} <= ops
+    for row in results:
+        for name, op in row["ops"].items():
+            assert "error" not in op and not op["flag"], (row["shape"], name, op)
+            assert op["err_vs_cudnn"]["rel"] < 1e-4, (row["shape"], name, op)   # float32 here

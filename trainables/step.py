@@ -211,7 +211,7 @@ class StepRunner:
                         self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
-                        self.memory_format, self.bf16)
+                        self.memory_format, self.bf16, self.cfg.train.conv_kernels)
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed

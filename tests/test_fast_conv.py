@@ -1,0 +1,99 @@
+"""The ``cowtune::conv3x3`` operator and the model switch to it (``trainables.fast_conv``), on CPU:
+its registrations (fake, autograd) agree with the real kernels, a switched model computes what the
+original does, forward and backward, eagerly and under torch.compile."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainables.fast_conv import TritonConv2d, eligible, use_triton_convs
+from trainables.models import create_model
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_operator_registrations_agree(channels_last):
+    x = torch.randn(2, 16, 6, 5, dtype=torch.float64, requires_grad=True)
+    if channels_last:
+        x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(32, 16, 3, 3, dtype=torch.float64, requires_grad=True)
+    if channels_last:   # as ``model.to(memory_format=torch.channels_last)`` leaves a convolution's weight
+        w = w.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    torch.library.opcheck(torch.ops.cowtune.conv3x3.default, (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv3x3(a, b), (x, w))
+
+
+def test_switch_only_eligible_layers_and_keep_the_state_dict():
+    torch.manual_seed(0)
+    model = create_model("wrn28_2", 10)
+    keys = list(model.state_dict())
+    # WRN-28-2: 25 3x3 convolutions; the stem (3 channels in), the first block's (16 in) and the two
+    # stride-2 ones stay cuDNN's
+    assert use_triton_convs(model) == 21
+    assert list(model.state_dict()) == keys
+    assert sorted((m.in_channels, m.kernel_size, m.stride) for m in model.modules() if type(m) is nn.Conv2d) == [
+        (3, (3, 3), (1, 1)), (16, (1, 1), (1, 1)), (16, (3, 3), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
+        (64, (1, 1), (2, 2)), (64, (3, 3), (2, 2))]
+    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(40, 32, 3, 1, 1, bias=False))
+    assert not eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False))
+
+
+def test_switched_model_computes_the_same_forward_and_backward():
+    torch.manual_seed(0)
+    a = create_model("wrn28_2", 10)
+    b = copy.deepcopy(a)
+    use_triton_convs(b)
+    x = torch.randn(4, 3, 32, 32)
+    ya, yb = a(x), b(x)
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+def test_compiled_switched_layers_match_eager():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(32, 48, 3, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(48, 32, 3, 1, 1, bias=False))
+    ref = copy.deepcopy(net)
+    assert use_triton_convs(net) == 2 and all(type(m) is TritonConv2d for m in (net[0], net[2]))
+    x = torch.randn(3, 32, 8, 8).contiguous(memory_format=torch.channels_last)
+    out = torch.compile(net, dynamic=False)(x)
+    expect = ref(x)
+    torch.testing.assert_close(out, expect)
+    out.sum().backward()
+    expect.sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
+    """The operators' CUDA implementations (Triton kernels plus layout and dtype handling), called on CPU
+    tensors with the kernels in Triton's interpreter, against PyTorch's convolution."""
+    pytest.importorskip("triton")
+    import importlib
+    import sys
+
+    from trainables import fast_conv
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # read when conv_triton's kernels are defined
+    if "trainables.conv_triton" in sys.modules:
+        importlib.reload(sys.modules["trainables.conv_triton"])
+    else:
+        importlib.import_module("trainables.conv_triton")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 32, 5, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(48, 32, 3, 3, generator=g) / 17).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(2, 48, 5, 6, generator=g)
+    y = fast_conv._conv3x3_cuda(x, w)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.conv2d(x, w, padding=1), rtol=1e-4, atol=1e-4)
+    dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w)
+    ex, ew, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                    [True, True, False])
+    torch.testing.assert_close(dx, ex, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, ew, rtol=1e-4, atol=1e-4)
+    assert dw.dtype == w.dtype and dw.stride() == w.stride()
