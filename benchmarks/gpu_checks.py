@@ -1,7 +1,8 @@
 """Correctness of the GPU fast path, run on a GPU machine (CI has none).
 
 1. The compiled, CUDA-graphed bf16 step (student calls stacked) gives the same losses as the eager
-   float32 step with one student call per batch, on the same batches (to bf16 precision).
+   float32 step with one student call per batch, on the same batches (to bf16 precision); again with
+   our Triton convolutions (train.conv_kernels: triton).
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
    through, with compilation and CUDA graphs on (deterministic cuDNN).
 3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
@@ -30,7 +31,7 @@ from trainables.models import create_model  # noqa: E402
 from trainables.optim import make_optimizer  # noqa: E402
 from trainables.ssl.ema import make_teacher  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
-from trainables.trainer import fit  # noqa: E402
+from trainables.trainer import build_runner, fit  # noqa: E402
 
 
 def config(**train) -> TrainConfig:
@@ -40,19 +41,12 @@ def config(**train) -> TrainConfig:
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
 
 
-def check_losses() -> bool:
+def check_losses(conv_kernels: str = "cudnn") -> bool:
     device = torch.device("cuda")
-    fast_cfg = config(precision="bf16", compile=True)
+    fast_cfg = config(precision="bf16", compile=True, conv_kernels=conv_kernels)
     plain_cfg = config(precision="fp32", compile=False, channels_last=False, stack_student_calls=False)
     data = prepare_data(plain_cfg.data, 0, device)
-    runners = []
-    for cfg, bf16 in ((plain_cfg, False), (fast_cfg, True)):
-        torch.manual_seed(0)
-        student = create_model(cfg.model, 10).to(device)
-        if bf16:
-            student = student.to(memory_format=torch.channels_last)
-        runners.append(StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 64),
-                                  device, bf16))
+    runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
     for r in runners:  # one step from the same weights: the losses of the same batch
         r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
@@ -129,7 +123,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
 
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    checks = {"losses": check_losses, "resume": check_resume, "step_graph": check_step_graph,
+    checks = {"losses": check_losses, "losses_triton_convs": lambda: check_losses("triton"), "resume": check_resume, "step_graph": check_step_graph,
               "step_graph_supervised": lambda: check_step_graph(method={}),
               "step_graph_mean_teacher": lambda: check_step_graph(method={"perturb": {"name": "mean_teacher"}}),
               "step_graph_cowout_cowmix": lambda: check_step_graph(method={"perturb": {"name": "cowout"},
