@@ -33,10 +33,10 @@ def child(args: argparse.Namespace) -> dict:
 
     from trainables.config import TrainConfig
     from trainables.data import DeviceData, make_splits
-    from trainables.trainer import autotune_convolutions
+    from trainables.trainer import autotune_convolutions, build_runner
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput import load_images, make_runner
+    from throughput import load_images
 
     imports_s = time.monotonic() - T_START
     device = torch.device(args.device)
@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict:
     batch = next(iter(data.train_batches(0, 0, args.batch, 1, False)))
     times, weights = [], []
     for _ in range(2):   # a new trial in a fresh process, then the next trial in the same process
-        r = make_runner(cfg, 10, device)
+        r = build_runner(cfg, 10, device)
         r.step(batch, r.generator.manual_seed(0), 0.05, 0.97)
         times.append(r.first_step)
         weights.append(sum(p.double().abs().sum() for p in r.student.parameters()).item())

@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
-from throughput import load_images, make_config, make_runner  # noqa: E402
+from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
-from trainables.trainer import autotune_convolutions  # noqa: E402
+from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 
 def main() -> int:
@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="also list the N slowest kernels with launches per step")
     p.add_argument("--no-teacher-stream", action="store_true", help="run the teacher on the main stream")
+    p.add_argument("--conv-kernels", default="cudnn", choices=("cudnn", "triton"),
+                   help="the 3x3 convolutions: cuDNN or our Triton kernels (train.conv_kernels)")
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -40,8 +42,8 @@ def main() -> int:
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
-                      args.cuda_graph)
-    runner = make_runner(cfg, 10, device)
+                      args.cuda_graph, conv_kernels=args.conv_kernels)
+    runner = build_runner(cfg, 10, device)
     if args.no_teacher_stream:
         runner.teacher_stream = None
     data = DeviceData(raw, splits, True, 4, device)
