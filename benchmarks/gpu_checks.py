@@ -123,7 +123,8 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
 
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    checks = {"losses": check_losses, "losses_triton_convs": lambda: check_losses("triton"), "resume": check_resume, "step_graph": check_step_graph,
+    checks = {"losses": check_losses, "losses_triton_convs": lambda: check_losses("triton"),
+              "resume": check_resume, "step_graph": check_step_graph,
               "step_graph_supervised": lambda: check_step_graph(method={}),
               "step_graph_mean_teacher": lambda: check_step_graph(method={"perturb": {"name": "mean_teacher"}}),
               "step_graph_cowout_cowmix": lambda: check_step_graph(method={"perturb": {"name": "cowout"},

@@ -16,10 +16,10 @@ from trainables.models import create_model
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_operator_registrations_agree(channels_last):
-    x = torch.randn(2, 16, 6, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 16, 4, 3, dtype=torch.float64, requires_grad=True)
     if channels_last:
         x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    w = torch.randn(32, 16, 3, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, 16, 3, 3, dtype=torch.float64, requires_grad=True)
     if channels_last:   # as ``model.to(memory_format=torch.channels_last)`` leaves a convolution's weight
         w = w.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
     torch.library.opcheck(torch.ops.cowtune.conv3x3.default, (x, w))
@@ -55,6 +55,25 @@ def test_switched_model_computes_the_same_forward_and_backward():
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
 
 
+def test_switched_model_under_autocast_matches_and_keeps_float32_gradients():
+    """Under autocast the operator sees the bf16 input autocast would give a convolution and casts the weight
+    itself: the same bf16 outputs as the original model, and gradients in the parameters' float32."""
+    torch.manual_seed(0)
+    a = create_model("wrn28_2", 10)
+    b = copy.deepcopy(a)
+    use_triton_convs(b)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = a(x), b(x)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    ya.float().square().sum().backward()
+    yb.float().square().sum().backward()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert q.grad.dtype == torch.float32, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
 def test_compiled_switched_layers_match_eager():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(32, 48, 3, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(48, 32, 3, 1, 1, bias=False))
@@ -79,11 +98,21 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
 
     from trainables import fast_conv
 
+    before = sys.modules.get("trainables.conv_triton")
+    was_interpreted = getattr(before, "INTERPRET", None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # read when conv_triton's kernels are defined
-    if "trainables.conv_triton" in sys.modules:
-        importlib.reload(sys.modules["trainables.conv_triton"])
-    else:
-        importlib.import_module("trainables.conv_triton")
+    module = importlib.reload(before) if before is not None else importlib.import_module("trainables.conv_triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    try:
+        _check_cuda_kernels_on_cpu(fast_conv)
+    finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
+        if before is None:
+            del sys.modules["trainables.conv_triton"]
+        elif not was_interpreted:
+            importlib.reload(module)
+
+
+def _check_cuda_kernels_on_cpu(fast_conv) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 32, 5, 6, generator=g).contiguous(memory_format=torch.channels_last)
     w = (torch.randn(48, 32, 3, 3, generator=g) / 17).contiguous(memory_format=torch.channels_last)

@@ -1,9 +1,9 @@
 """3x3 stride-1 pad-1 convolutions for channels_last tensors, written in Triton.
 
 Why: the 3x3 convolutions of WRN-28-2 are small-channel (C = K = 32, 64, 128) and cuDNN runs them
-2-4x off their memory bound on an H100; between them sit batch-norm + ReLU kernels that each read
-and write a whole activation. These kernels are implicit GEMMs that read the input about once
-from device memory (the 3x3 halo is re-read from L1/L2) and can apply the preceding batch norm's
+at 10-33% of their memory bound on an H100; between them sit batch-norm + ReLU kernels that each read
+and write a whole activation. These kernels are implicit GEMMs that aim to read the input about
+once from device memory (the 3x3 halo is re-read from L1/L2) and can apply the preceding batch norm's
 affine transform and ReLU while loading ("prologue"), so that activation never goes to memory,
 and can return the per-channel sum and sum of squares of their output ("statistics epilogue"),
 so the next batch norm's statistics pass can be skipped.
@@ -38,7 +38,7 @@ Kernels (each one Triton program per tile):
 
 Measured (H100, bf16, CUDA-graph replay with L2 flushed, benchmarks/conv_triton_bench.py,
 2026-11-26, torch 2.11 / triton 3.6): against cuDNN, fprop and dgrad run 0.92-1.24x (1.15x
-at N=512 C=32: 55.6 vs 63.8 us), wgrad 1.07-1.24x; all stay at 15-36% of the memory bound. The
+at N=512 C=32: 55.6 vs 63.8 us), wgrad 1.07-1.24x; they reach 12-36% of the memory bound. The
 forward loads each tap's tile again (9x the input through L2 and shared memory), which caps it
 near 55 us at C=32 whatever the tile shape or cache modifier; reading x once would need the
 halo tile staged in shared memory, which plain Triton cannot slice. The prologue does not pay:

@@ -1,7 +1,7 @@
 """3x3 convolutions through our own Triton kernels (``trainables.conv_triton``) instead of cuDNN.
 
-cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) two to four
-times slower than their memory bound on an H100. ``use_triton_convs(model)`` switches every
+cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) at 10-33% of
+their memory bound on an H100 (3-10x slower than it). ``use_triton_convs(model)`` switches every
 eligible layer (3x3, stride 1, padding 1, no bias, 32 or more input channels, channel counts a
 multiple of 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
 ``cowtune::conv3x3`` operator. On CUDA that operator runs the Triton kernels; elsewhere it runs
