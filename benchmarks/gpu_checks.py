@@ -27,10 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
-from trainables.models import create_model  # noqa: E402
-from trainables.optim import make_optimizer  # noqa: E402
-from trainables.ssl.ema import make_teacher  # noqa: E402
-from trainables.step import StepRunner  # noqa: E402
 from trainables.trainer import build_runner, fit  # noqa: E402
 
 
@@ -96,9 +92,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
         batches.append(Batch(b.x_sup.clone(), b.y_sup.clone(), x0, b.x_unsup1.clone() if twice else x0))
     states, losses = [], []
     for cfg in cfgs:
-        torch.manual_seed(0)
-        student = create_model(cfg.model, 10).to(device)
-        r = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 64), device, False)
+        r = build_runner(cfg, 10, device)
         gen, per_step, per_state = r.generator.manual_seed(1), [], []
         for i, batch in enumerate(batches):
             r.step(batch, gen, 0.05 * (1 + i / steps), 0.97 - 0.01 * i)

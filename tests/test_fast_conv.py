@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables.fast_conv import TritonConv2d, eligible, use_triton_convs
+from trainables.fast_conv import TritonConv2d, apply_conv_kernels, eligible, use_triton_convs
 from trainables.models import create_model
 
 
@@ -39,6 +39,15 @@ def test_switch_only_eligible_layers_and_keep_the_state_dict():
         (64, (1, 1), (2, 2)), (64, (3, 3), (2, 2))]
     assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(40, 32, 3, 1, 1, bias=False))
     assert not eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False))
+
+
+def test_setting_switches_only_on_cuda_and_only_when_asked():
+    model = create_model("wrn28_2", 10)
+    assert apply_conv_kernels(model, "triton", torch.device("cpu")) == 0   # off the GPU: PyTorch's own
+    assert apply_conv_kernels(model, "cudnn", torch.device("cuda")) == 0
+    assert not any(type(m) is TritonConv2d for m in model.modules())
+    assert apply_conv_kernels(model, "triton", torch.device("cuda")) == 21   # a device, not a tensor on it
+    assert sum(type(m) is TritonConv2d for m in model.modules()) == 21
 
 
 def test_switched_model_computes_the_same_forward_and_backward():

@@ -26,7 +26,7 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import prepare_data
-from trainables.fast_conv import use_triton_convs
+from trainables.fast_conv import apply_conv_kernels
 from trainables.models import create_model
 from trainables.optim import make_optimizer
 from trainables.ssl.ema import make_teacher
@@ -55,8 +55,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     data = prepare_data(cfg.data, cfg.labeled_seed, device)
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, data.num_classes).to(device)
-    if cfg.train.conv_kernels == "triton" and device.type == "cuda":
-        use_triton_convs(student)
+    apply_conv_kernels(student, cfg.train.conv_kernels, device)
     teacher = make_teacher(student)
     global_batch = cfg.train.batch_size * world
     optimizer = make_optimizer(student, cfg.optim, global_batch)

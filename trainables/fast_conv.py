@@ -110,6 +110,12 @@ def eligible(m: nn.Module) -> bool:
             and m.out_channels % CHANNEL_MULTIPLE == 0)
 
 
+def apply_conv_kernels(model: nn.Module, conv_kernels: str, device: torch.device) -> int:
+    """Switch ``model`` as ``train.conv_kernels`` asks: to the Triton kernels when it says "triton" and the
+    model trains on CUDA (elsewhere they would only run PyTorch's convolution); returns how many layers."""
+    return use_triton_convs(model) if conv_kernels == "triton" and device.type == "cuda" else 0
+
+
 def use_triton_convs(model: nn.Module) -> int:
     """Switch ``model``'s eligible convolutions to ``TritonConv2d`` in place (parameters, buffers and
     state-dict keys unchanged); returns how many were switched."""

@@ -24,7 +24,7 @@ import torch
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, prepare_data, stream_seed
-from trainables.fast_conv import use_triton_convs
+from trainables.fast_conv import apply_conv_kernels
 from trainables.gpu_turns import gpu_identity, gpu_turn
 from trainables.models import create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
@@ -37,7 +37,8 @@ CHECKPOINT = "checkpoint.pt"
 # (compile modes, CUDA graphs and stacked student calls may pick other kernels: results agree to rounding,
 # not bit for bit).
 RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
-               "train.stack_student_calls", "train.gpu_turns", "train.conv_kernels", "train.eval_batch_size", "data.workers", "data.root", "data.download")
+               "train.stack_student_calls", "train.gpu_turns", "train.conv_kernels", "train.eval_batch_size",
+               "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
 
@@ -164,8 +165,7 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> St
     """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them."""
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
-    if cfg.train.conv_kernels == "triton" and device.type == "cuda":
-        use_triton_convs(student)
+    apply_conv_kernels(student, cfg.train.conv_kernels, device)
     if cfg.train.channels_last and device.type == "cuda":
         student = student.to(memory_format=torch.channels_last)
     teacher = make_teacher(student)

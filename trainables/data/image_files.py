@@ -166,13 +166,13 @@ def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages
 def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np.ndarray:
     """(N, H, W, 3) uint8, decoded by ``workers`` processes (default: by the count,
     ``trainables.image_decode.default_workers``); every image must have the first image's size."""
-    first = files.load(0)
-    out, bad = decode_images(files.root, files.names, first.size, workers)
+    size = files.open(0).size   # the header only: the workers decode every image, the first included
+    out, bad = decode_images(files.root, files.names, size, workers)
     if bad is not None:
         i, (w, h) = bad
         raise ConfigError(
             f"data.root must hold images of one size for the device pipeline (first is "
-            f"{first.size[0]}x{first.size[1]}, {files.names[i]} is {w}x{h}); "
+            f"{size[0]}x{size[1]}, {files.names[i]} is {w}x{h}); "
             f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
     return out
 
