@@ -42,9 +42,14 @@ def conv3x3(x: Tensor, w: Tensor) -> Tensor:
 
 @conv3x3.register_kernel("cuda")
 def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
+    from trainables import conv_rows
     from trainables.conv_triton import conv3x3_fwd_packed, pack_weight
 
-    return conv3x3_fwd_packed(x.contiguous(memory_format=torch.channels_last), pack_weight(w, x.dtype))
+    x = x.contiguous(memory_format=torch.channels_last)
+    cfg = conv_rows.config_for("fprop", x.shape[1], w.shape[0], x.shape[2], x.shape[3])
+    if cfg is not None:
+        return conv_rows.conv3x3_rows_fwd(x, pack_weight(w, x.dtype), config=cfg)
+    return conv3x3_fwd_packed(x, pack_weight(w, x.dtype))
 
 
 @conv3x3.register_fake
@@ -64,12 +69,19 @@ def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
 
 @conv3x3_backward.register_kernel("cuda")
 def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    from trainables.conv_triton import conv3x3_dgrad, conv3x3_wgrad
+    from trainables import conv_rows
+    from trainables.conv_triton import conv3x3_dgrad, conv3x3_wgrad, pack_weight
 
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
-    dx = conv3x3_dgrad(dy, w)
-    dw = conv3x3_wgrad(dy, x)   # float32, channels_last
+    shape = (x.shape[1], w.shape[0], x.shape[2], x.shape[3])
+    cfg = conv_rows.config_for("dgrad", *shape)
+    if cfg is not None:
+        dx = conv_rows.conv3x3_rows_fwd(dy, pack_weight(w, dy.dtype, for_dgrad=True), config=cfg)
+    else:
+        dx = conv3x3_dgrad(dy, w)
+    cfg = conv_rows.config_for("wgrad", *shape)
+    dw = conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg) if cfg is not None else conv3x3_wgrad(dy, x)
     return dx, dw.to(w.dtype).contiguous(memory_format=_format_of(w))
 
 

@@ -1,0 +1,122 @@
+"""The trainer's step under several convolution settings, measured in one process, alternating.
+
+Each variant's runner is built and captured first; then rounds of ``--steps`` steps go round the
+variants in turn, so drift of the GPU's clocks and of the host falls on all of them alike:
+
+    cudnn   cuDNN for every convolution (the default)
+    taps    train.conv_kernels=triton with conv_triton's tap kernels only
+    rows    train.conv_kernels=triton with the row-streaming kernels (trainables/conv_rows.py)
+            for the shapes and ops in conv_rows.CONFIGS (``--rows-json``: take the best
+            configuration per shape and op from a conv_rows_bench.py result instead, where it
+            beat cuDNN), tap kernels elsewhere
+
+    python benchmarks/step_ab.py --variants cudnn,taps,rows --rounds 3 --steps 300 --json out.json
+    python benchmarks/step_ab.py --device cpu --tiny        # smoke run
+
+Prints steps/s per variant and round, and the median per variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import load_images, make_config, time_steps  # noqa: E402
+
+from trainables import conv_rows  # noqa: E402
+from trainables.data import DeviceData, make_splits  # noqa: E402
+from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
+
+VARIANTS = ("cudnn", "taps", "rows")
+
+
+def rows_configs_from(path: Path) -> dict[tuple[str, int, int, int, int], dict]:
+    """The best row configuration per (op, C, K, H, W) of a conv_rows_bench.py JSON, where it beat cuDNN."""
+    out = {}
+    for r in json.loads(path.read_text())["results"]:
+        s = r.get("shape")
+        for op, e in r.get("ops", {}).items():
+            best, cudnn = e.get("best"), e.get("cudnn", {}).get("us")
+            if best and cudnn and best["us"] < cudnn:
+                out[(op, s["C"], s["K"], s["H"], s["W"])] = dict(best["config"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="wrn28_2")
+    p.add_argument("--method", default="cowmix")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--variants", default="cudnn,taps,rows")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rows-json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps, no compile")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    if args.tiny:
+        args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        autotune_convolutions()
+    rows_cfg = rows_configs_from(args.rows_json) if args.rows_json else dict(conv_rows.CONFIGS)
+    raw = load_images(None, 2000 if args.tiny else 20000)
+    splits = make_splits(raw.train_labels, 0, 131, 100 if args.tiny else 1000, 0, raw.fingerprint)
+    data = DeviceData(raw, splits, True, 4, device)
+    total = args.warmup + args.rounds * args.steps
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "model": args.model, "method": args.method, "batch": args.batch,
+              "rows_configs": {"/".join(map(str, k)): v for k, v in rows_cfg.items()}, "rounds": {}}
+    print(f"# step A/B on {where}, torch {torch.__version__}, {args.model} {args.method}, "
+          f"batch {args.batch}+{args.batch}", flush=True)
+    runners = {}
+    for v in variants:
+        conv_rows.CONFIGS.clear()
+        if v == "rows":
+            conv_rows.CONFIGS.update(rows_cfg)
+        cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
+                          conv_kernels="cudnn" if v == "cudnn" else "triton",
+                          cuda_graph="step" if device.type == "cuda" else "none")
+        runner = build_runner(cfg, len(raw.class_names), device)
+        gen = runner.generator.manual_seed(0)
+        batches = iter(data.train_batches(0, 0, args.batch, total, False))
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):   # compile, capture
+            runner.step(next(batches), gen, 0.05, 0.97)
+        runner.read_metrics()
+        print(f"  {v}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
+        runners[v] = (runner, gen, batches)
+        report["rounds"][v] = []
+    conv_rows.CONFIGS.clear()
+    for r in range(args.rounds):
+        for v in variants:
+            runner, gen, batches = runners[v]
+            sec = time_steps(runner, batches, gen, 0, args.steps, device)
+            report["rounds"][v].append(1.0 / sec)
+            print(f"  round {r} {v}: {1.0 / sec:.1f} steps/s", flush=True)
+    report["median"] = {v: statistics.median(x) for v, x in report["rounds"].items()}
+    for v, m in report["median"].items():
+        print(f"{v:>6}: median {m:.1f} steps/s  rounds {', '.join(f'{x:.1f}' for x in report['rounds'][v])}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
