@@ -1,10 +1,11 @@
 """Correctness of the GPU fast path, run on a GPU machine (CI has none).
 
-1. The compiled, CUDA-graphed bf16 step (student calls stacked) gives the same losses as the eager
-   float32 step with one student call per batch, on the same batches (to bf16 precision); again with
-   our Triton convolutions (train.conv_kernels: triton).
+1. The compiled, CUDA-graphed bf16 step (student calls stacked, our Triton convolutions where they
+   beat cuDNN: the defaults) gives the same losses as the eager float32 step with one student call
+   per batch and cuDNN, on the same batches (to bf16 precision); again with cuDNN throughout
+   (train.conv_kernels: cudnn).
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
-   through, with compilation and CUDA graphs on (deterministic cuDNN).
+   through, with compilation and CUDA graphs on (deterministic cuDNN, our Triton convolutions).
 3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
    uncompiled, give the same losses and weights over several steps of the same batches: CowMix,
    supervised, Mean Teacher with two augmentations, and CowOut + CowMix together.
@@ -37,10 +38,11 @@ def config(**train) -> TrainConfig:
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
 
 
-def check_losses(conv_kernels: str = "cudnn") -> bool:
+def check_losses(conv_kernels: str = "triton") -> bool:
     device = torch.device("cuda")
     fast_cfg = config(precision="bf16", compile=True, conv_kernels=conv_kernels)
-    plain_cfg = config(precision="fp32", compile=False, channels_last=False, stack_student_calls=False)
+    plain_cfg = config(precision="fp32", compile=False, channels_last=False, stack_student_calls=False,
+                       conv_kernels="cudnn")
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
@@ -78,8 +80,9 @@ def check_resume() -> bool:
 
 def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     device = torch.device("cuda")
-    cfgs = [config(precision="fp32", compile=False, channels_last=False, deterministic=True, cuda_graph=g)
-            for g in ("none", "step")]
+    # cuDNN in both: the Triton convolutions run only inside a step graph (trainables.fast_conv)
+    cfgs = [config(precision="fp32", compile=False, channels_last=False, deterministic=True, cuda_graph=g,
+                   conv_kernels="cudnn") for g in ("none", "step")]
     if method is not None:
         cfgs = [TrainConfig.from_dict({**{k: v for k, v in c.to_dict().items() if k not in ("mix", "perturb")},
                                        **method}) for c in cfgs]
@@ -117,7 +120,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
 
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    checks = {"losses": check_losses, "losses_triton_convs": lambda: check_losses("triton"),
+    checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
               "resume": check_resume, "step_graph": check_step_graph,
               "step_graph_supervised": lambda: check_step_graph(method={}),
               "step_graph_mean_teacher": lambda: check_step_graph(method={"perturb": {"name": "mean_teacher"}}),

@@ -3,14 +3,13 @@
 Each variant's runner is built and captured first; then rounds of ``--steps`` steps go round the
 variants in turn, so drift of the GPU's clocks and of the host falls on all of them alike:
 
-    cudnn   cuDNN for every convolution (the default)
-    taps    train.conv_kernels=triton with conv_triton's tap kernels only
-    rows    train.conv_kernels=triton with the row-streaming kernels (trainables/conv_rows.py)
-            for the shapes and ops in conv_rows.CONFIGS (``--rows-json``: take the best
-            configuration per shape and op from a conv_rows_bench.py result instead, where it
-            beat cuDNN), tap kernels elsewhere
+    cudnn   train.conv_kernels=cudnn: cuDNN for every convolution
+    triton  train.conv_kernels=triton: the row-streaming kernels (trainables/conv_rows.py) for the
+            ops and shapes in their table (conv_rows.CONFIGS), cuDNN for the rest
+    sweep   as triton, with the table replaced by the best configuration per op and shape of
+            conv_rows_bench.py results (``--rows-json``), where it beat cuDNN
 
-    python benchmarks/step_ab.py --variants cudnn,taps,rows --rounds 3 --steps 300 --json out.json
+    python benchmarks/step_ab.py --variants cudnn,triton --rounds 3 --steps 300 --json out.json
     python benchmarks/step_ab.py --device cpu --tiny        # smoke run
 
 Prints steps/s per variant and round, and the median per variant.
@@ -35,19 +34,21 @@ from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "taps", "rows")
+VARIANTS = ("cudnn", "triton", "sweep")
 
 
-def rows_configs_from(path: Path) -> dict[tuple[str, int, int, int, int], dict]:
-    """The best row configuration per (op, C, K, H, W) of a conv_rows_bench.py JSON, where it beat cuDNN."""
-    out = {}
-    for r in json.loads(path.read_text())["results"]:
-        s = r.get("shape")
-        for op, e in r.get("ops", {}).items():
-            best, cudnn = e.get("best"), e.get("cudnn", {}).get("us")
-            if best and cudnn and best["us"] < cudnn:
-                out[(op, s["C"], s["K"], s["H"], s["W"])] = dict(best["config"])
-    return out
+def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
+    """The best row configuration per (op, N, C, K, H, W) over conv_rows_bench.py JSONs, where it beat cuDNN."""
+    best_of: dict[tuple[str, int, int, int, int, int], tuple[float, dict]] = {}
+    for path in paths:
+        for r in json.loads(path.read_text())["results"]:
+            s = r.get("shape")
+            for op, e in r.get("ops", {}).items():
+                best, cudnn = e.get("best"), e.get("cudnn_us")
+                key = (op, s["N"], s["C"], s["K"], s["H"], s["W"])
+                if best and cudnn and best["us"] < cudnn and best["us"] < best_of.get(key, (cudnn, None))[0]:
+                    best_of[key] = (best["us"], dict(best["config"]))
+    return {key: cfg for key, (_, cfg) in best_of.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="wrn28_2")
     p.add_argument("--method", default="cowmix")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--variants", default="cudnn,taps,rows")
+    p.add_argument("--variants", default="cudnn,triton")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--rows-json", type=Path, default=None)
+    p.add_argument("--rows-json", type=Path, nargs="*", default=None,
+                   help="conv_rows_bench.py results to take the row configurations from")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps, no compile")
     args = p.parse_args(argv)
@@ -73,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         autotune_convolutions()
-    rows_cfg = rows_configs_from(args.rows_json) if args.rows_json else dict(conv_rows.CONFIGS)
+    table = dict(conv_rows.CONFIGS)
+    if "sweep" in variants and not args.rows_json:
+        p.error("the sweep variant needs --rows-json")
+    swept = rows_configs_from(args.rows_json) if args.rows_json else {}
     raw = load_images(None, 2000 if args.tiny else 20000)
     splits = make_splits(raw.train_labels, 0, 131, 100 if args.tiny else 1000, 0, raw.fingerprint)
     data = DeviceData(raw, splits, True, 4, device)
@@ -81,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "model": args.model, "method": args.method, "batch": args.batch,
-              "rows_configs": {"/".join(map(str, k)): v for k, v in rows_cfg.items()}, "rounds": {}}
+              "table": {"/".join(map(str, k)): v for k, v in table.items()},
+              "swept": {"/".join(map(str, k)): v for k, v in swept.items()}, "rounds": {}}
     print(f"# step A/B on {where}, torch {torch.__version__}, {args.model} {args.method}, "
           f"batch {args.batch}+{args.batch}", flush=True)
     runners = {}
     for v in variants:
-        conv_rows.CONFIGS.clear()
-        if v == "rows":
-            conv_rows.CONFIGS.update(rows_cfg)
+        conv_rows.CONFIGS.clear()   # read when a runner's first steps run its kernels, before capture
+        conv_rows.CONFIGS.update(swept if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton",
                           cuda_graph="step" if device.type == "cuda" else "none")
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         runners[v] = (runner, gen, batches)
         report["rounds"][v] = []
     conv_rows.CONFIGS.clear()
+    conv_rows.CONFIGS.update(table)
     for r in range(args.rounds):
         for v in variants:
             runner, gen, batches = runners[v]

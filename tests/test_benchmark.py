@@ -85,17 +85,27 @@ def test_first_step_tiny_cpu(tmp_path):
 
 
 def test_conv_kernel_benchmark_tiny_cpu(tmp_path):
-    """The convolution kernel benchmark's interpreter smoke run: every comparison on every tiny shape runs
-    and agrees with PyTorch (the benchmark exits 1 on an error or a flagged error)."""
+    """The convolution kernel benchmark's interpreter smoke run: every op and configuration on every tiny
+    shape runs and agrees with PyTorch (the benchmark exits 1 on an error or a disagreement)."""
     pytest.importorskip("triton")
     out = tmp_path / "conv.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_triton_bench.py"), "--device", "cpu",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_rows_bench.py"), "--device", "cpu",
                         "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    ops = {name for row in results for name in row["ops"]}
-    assert {"fprop", "dgrad", "wgrad", "fprop_prologue", "wgrad_prologue", "fprop_prologue_stats"} <= ops
+    assert len(results) == 2 and all(set(row["ops"]) == {"fprop", "dgrad", "wgrad"} for row in results)
     for row in results:
         for name, op in row["ops"].items():
-            assert "error" not in op and not op["flag"], (row["shape"], name, op)
-            assert op["err_vs_cudnn"]["rel"] < 1e-4, (row["shape"], name, op)   # float32 here
+            assert op["configs"], (row["shape"], name)
+            for cfg in op["configs"]:
+                assert "error" not in cfg and cfg["rel_err"] < 1e-4, (row["shape"], name, cfg)   # float32 here
+
+
+def test_step_ab_tiny_cpu(tmp_path):
+    """The step A/B script's smoke run: both settings build, step and report a rate."""
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--device", "cpu", "--tiny",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["median"]) == {"cudnn", "triton"} and all(v > 0 for v in report["median"].values())

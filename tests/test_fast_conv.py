@@ -30,24 +30,31 @@ def test_switch_only_eligible_layers_and_keep_the_state_dict():
     torch.manual_seed(0)
     model = create_model("wrn28_2", 10)
     keys = list(model.state_dict())
-    # WRN-28-2: 25 3x3 convolutions; the stem (3 channels in), the first block's (16 in) and the two
-    # stride-2 ones stay cuDNN's
-    assert use_triton_convs(model) == 21
+    # WRN-28-2: 25 3x3 convolutions; the stem (3 channels in) and the two stride-2 ones stay cuDNN's
+    assert use_triton_convs(model) == 22
     assert list(model.state_dict()) == keys
     assert sorted((m.in_channels, m.kernel_size, m.stride) for m in model.modules() if type(m) is nn.Conv2d) == [
-        (3, (3, 3), (1, 1)), (16, (1, 1), (1, 1)), (16, (3, 3), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
+        (3, (3, 3), (1, 1)), (16, (1, 1), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
         (64, (1, 1), (2, 2)), (64, (3, 3), (2, 2))]
-    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(40, 32, 3, 1, 1, bias=False))
-    assert not eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False))
+    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(48, 32, 3, 1, 1, bias=False))
+    assert not eligible(nn.Conv2d(32, 24, 3, 1, 1, bias=False)) and not eligible(nn.Conv2d(32, 32, 3, 2, 1, bias=False))
+    assert eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False))
 
 
-def test_setting_switches_only_on_cuda_and_only_when_asked():
+def test_setting_switches_only_on_the_gpus_the_table_was_measured_on(monkeypatch):
+    """The GPU's compute capability is read through torch.cuda (there is no GPU here to read it from)."""
     model = create_model("wrn28_2", 10)
-    assert apply_conv_kernels(model, "triton", torch.device("cpu")) == 0   # off the GPU: PyTorch's own
-    assert apply_conv_kernels(model, "cudnn", torch.device("cuda")) == 0
+    cuda = torch.device("cuda")   # a device, not a tensor on it
+    assert apply_conv_kernels(model, "triton", "step", torch.device("cpu")) == 0   # off the GPU: PyTorch's own
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert apply_conv_kernels(model, "triton", "step", cuda) == 0   # untuned GPU: cuDNN throughout
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert apply_conv_kernels(model, "cudnn", "step", cuda) == 0
+    for graphs in ("model", "none"):   # launched one by one, Triton's launcher costs more than they save
+        assert apply_conv_kernels(model, "triton", graphs, cuda) == 0
     assert not any(type(m) is TritonConv2d for m in model.modules())
-    assert apply_conv_kernels(model, "triton", torch.device("cuda")) == 21   # a device, not a tensor on it
-    assert sum(type(m) is TritonConv2d for m in model.modules()) == 21
+    assert apply_conv_kernels(model, "triton", "step", cuda) == 22
+    assert sum(type(m) is TritonConv2d for m in model.modules()) == 22
 
 
 def test_switched_model_computes_the_same_forward_and_backward():
@@ -85,7 +92,7 @@ def test_switched_model_under_autocast_matches_and_keeps_float32_gradients():
 
 def test_compiled_switched_layers_match_eager():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(32, 48, 3, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(48, 32, 3, 1, 1, bias=False))
+    net = nn.Sequential(nn.Conv2d(32, 64, 3, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(64, 32, 3, 1, 1, bias=False))
     ref = copy.deepcopy(net)
     assert use_triton_convs(net) == 2 and all(type(m) is TritonConv2d for m in (net[0], net[2]))
     x = torch.randn(3, 32, 8, 8).contiguous(memory_format=torch.channels_last)
@@ -99,39 +106,40 @@ def test_compiled_switched_layers_match_eager():
 
 
 def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
-    """The operators' CUDA implementations (Triton kernels plus layout and dtype handling), called on CPU
-    tensors with the kernels in Triton's interpreter, against PyTorch's convolution."""
+    """The operators' CUDA implementations (the row kernels where the table has the shape, cuDNN's path where
+    it has not, plus layout and dtype handling), called on CPU tensors with the kernels in Triton's
+    interpreter, against PyTorch's convolution."""
     pytest.importorskip("triton")
     import importlib
     import sys
 
     from trainables import fast_conv
 
-    before = sys.modules.get("trainables.conv_triton")
+    before = sys.modules.get("trainables.conv_rows")
     was_interpreted = getattr(before, "INTERPRET", None)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")   # read when conv_triton's kernels are defined
-    module = importlib.reload(before) if before is not None else importlib.import_module("trainables.conv_triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # read when conv_rows' kernels are defined
+    module = importlib.reload(before) if before is not None else importlib.import_module("trainables.conv_rows")
     monkeypatch.delenv("TRITON_INTERPRET")
     try:
-        _check_cuda_kernels_on_cpu(fast_conv)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 32, 4, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        w = (torch.randn(32, 32, 3, 3, generator=g) / 17).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn(2, 32, 4, 8, generator=g)
+        expect_y = F.conv2d(x, w, padding=1)
+        expect_dx, expect_dw, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                                      [0, 0], 1, [True, True, False])
+        for table in ({}, {(op, 0, 32, 32, 4, 8): {"BM": 16, "SEGS": 2} for op in ("fprop", "dgrad", "wgrad")},
+                      {("wgrad", 2, 32, 32, 4, 8): {"BM": 16}}):
+            monkeypatch.setattr(module, "CONFIGS", table)
+            y = fast_conv._conv3x3_cuda(x, w)
+            assert y.is_contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(y, expect_y, rtol=1e-4, atol=1e-4)
+            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w)
+            torch.testing.assert_close(dx, expect_dx, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(dw, expect_dw, rtol=1e-4, atol=1e-4)
+            assert dw.dtype == w.dtype and dw.stride() == w.stride()
     finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
         if before is None:
-            del sys.modules["trainables.conv_triton"]
+            del sys.modules["trainables.conv_rows"]
         elif not was_interpreted:
             importlib.reload(module)
-
-
-def _check_cuda_kernels_on_cpu(fast_conv) -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 32, 5, 6, generator=g).contiguous(memory_format=torch.channels_last)
-    w = (torch.randn(48, 32, 3, 3, generator=g) / 17).contiguous(memory_format=torch.channels_last)
-    dy = torch.randn(2, 48, 5, 6, generator=g)
-    y = fast_conv._conv3x3_cuda(x, w)
-    assert y.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(y, F.conv2d(x, w, padding=1), rtol=1e-4, atol=1e-4)
-    dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w)
-    ex, ew, _ = torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                    [True, True, False])
-    torch.testing.assert_close(dx, ex, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(dw, ew, rtol=1e-4, atol=1e-4)
-    assert dw.dtype == w.dtype and dw.stride() == w.stride()

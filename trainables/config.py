@@ -130,8 +130,9 @@ class TrainSettings:
                                       # each with its own batch-norm statistics (same result, faster)
     gpu_turns: bool = True            # packed with other trials on one GPU: each epoch's steps run in turns,
                                       # one trial at a time, instead of time-slicing the GPU
-    conv_kernels: str = "cudnn"       # cuda: "cudnn", or "triton" = our kernels for the 3x3 stride-1 convolutions
-                                      # (trainables.fast_conv)
+    conv_kernels: str = "triton"      # cuda: "triton" = our kernels for the 3x3 stride-1 convolutions where
+                                      # they beat cuDNN (on sm90: H100, H200), cuDNN for the rest; "cudnn" =
+                                      # cuDNN for all (trainables.fast_conv)
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 
@@ -151,8 +152,6 @@ class TrainSettings:
               self.cuda_graph)
         check(self.conv_kernels in ("cudnn", "triton"), "train.conv_kernels", "be 'cudnn' or 'triton'",
               self.conv_kernels)
-        check(not (self.conv_kernels == "triton" and self.deterministic), "train.conv_kernels",
-              "be 'cudnn' with train.deterministic (the Triton kernels are not bit-exact)", self.conv_kernels)
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
 
 

@@ -1,32 +1,42 @@
-"""Row-streaming 3x3 convolutions for channels_last tensors: each input row is read once.
+"""Row-streaming 3x3 convolutions for channels_last tensors, written in Triton.
 
-Why: the implicit-GEMM kernels of ``conv_triton`` load a shifted input tile for each of the 9
-taps, so every input element crosses L2 and shared memory 9 times; at WRN-28-2's first stage
-(32 channels) that L2 traffic, not device memory, bounds them (about 55 us where the memory bound
-is 20 us, H100). Plain Triton cannot stage a halo tile in shared memory and slice it nine ways,
-but it does not need to: a program here owns a group of whole images (and a band of their rows)
-and walks down the rows. Its GEMM tile is one row of each of its images (M = images x W pixels),
-so the three horizontal taps are three loads of the same row shifted by one pixel (the same
-cache lines: L1 hits), and the three vertical taps need no reload at all: the row just loaded
-feeds three float32 accumulators, those of the output rows above, at and below it, which rotate
-as the program moves down. Each input row is thus fetched from L2 once per program (plus one
-halo row above and below the band).
+Why: WRN-28-2's 3x3 convolutions are narrow (32-128 channels) and cuDNN runs them at 10-33% of
+their memory bound on an H100. An implicit GEMM that loads a shifted input tile per tap moves every
+input element through L2 and shared memory 9 times; at 32 channels that traffic, not device
+memory, bounds it. The kernels here read each input row about once:
 
-    y = conv3x3_rows_fwd(x, wp)          # wp = conv_triton.pack_weight(w, x.dtype)
-    dx = conv3x3_rows_fwd(dy, wp_dgrad)  # wp_dgrad = pack_weight(w, dy.dtype, for_dgrad=True)
-    dw = conv3x3_rows_wgrad(dy, x)       # float32, (K, C, 3, 3) in channels_last memory format
+- A program owns a group of whole images (or a band of their rows) and walks down the rows. Its
+  GEMM tile is one row of each of its images: M = images x W pixels.
+- The three horizontal taps of a pixel are its left neighbour, itself and its right neighbour,
+  whose channels lie next to each other in NHWC memory. So the A tile is [pixels, 4C]: column j
+  holds channel j % C of the pixel j // C - 1 places to the right, one contiguous span per pixel
+  (the fourth pixel is multiplied by zero rows of the packed weight; 4C keeps the tile a power of
+  two). One product per kernel row replaces three per tap.
+- The three vertical taps need no reload: the row just loaded feeds three float32 accumulators,
+  those of the output rows below, at and above it, which rotate as the program moves down.
 
-The weight gradient walks the rows the same way: the input row loaded at each step meets the
-output-gradient rows below, at and above it (the last two carried from earlier steps), nine
-float32 [K, C] accumulators collect one program's share, and each program stores its partial sum
-(no atomics: the result is deterministic); one torch reduction adds the partials.
+    y = conv3x3_rows_fwd(x, pack_weight(w, x.dtype))                       # F.conv2d(x, w, padding=1)
+    dx = conv3x3_rows_fwd(dy, pack_weight(w, dy.dtype, for_dgrad=True))    # input gradient
+    dw = conv3x3_rows_wgrad(dy, x)                                         # weight gradient, float32
 
-Requirements (a clear ``ValueError`` otherwise, and ``supports`` says it beforehand): NHWC
-(channels_last) activations, channel counts multiples of 16, W a power of two with
-images_per_program x W a power of two >= 16, and H divisible by the row band.
+The input gradient of a stride-1 pad-1 convolution is the same convolution of dy with the flipped,
+channel-swapped weight. The weight gradient walks the rows the same way: each input row meets the
+output-gradient rows below, at and above it (two carried from earlier steps) in three
+[4C, pixels] x [pixels, K] products; each program stores its float32 partial sums and one torch
+reduction adds them, so the result is deterministic (no atomics).
 
-Importing this module needs no GPU; with ``TRITON_INTERPRET=1`` set before the import the kernels
-run on CPU tensors in Triton's interpreter (for tests).
+Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): NHWC
+(channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4; K a multiple of
+16; W a power of two; a tile of BM pixels (a power of two >= 16 and a multiple of W) and H divisible
+by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
+benchmarks/conv_rows_bench.py; README "Performance"): at N=512, 32 channels, 32x32, forward 42.4 us
+against cuDNN's 63.9, input gradient 41.8 (61.3), weight gradient 73.6 (112.6); at 64 channels,
+16x16, forward and input gradient 32.1-32.3 us (40.7-40.9).
+
+Numerics: float32 accumulation; float32 inputs use ``tl.dot``'s default input precision (TF32 on
+NVIDIA GPUs, exact in the interpreter). Indexing is int32: tensors of 2**31 elements or more are
+refused. Importing this module needs no GPU; with ``TRITON_INTERPRET=1`` set before the import the
+kernels run on CPU tensors in Triton's interpreter (for tests).
 """
 from __future__ import annotations
 
@@ -37,34 +47,47 @@ import torch
 import triton
 import triton.language as tl
 
-from trainables.conv_triton import _INT32_LIMIT, _check_activation, _pow2_divisor
-
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_LAST_KERNEL: dict[str, Any] = {}
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT32_LIMIT = 2**31
+_LAST_KERNEL: dict[str, Any] = {}   # the last launched kernel per name ("fwd", "wgrad"), for reports
 
 
 # --------------------------------------------------------------------------------------------
-# kernels (builtins of triton.language only, as in conv_triton: see its note on the interpreter)
+# kernels. They use only builtins of triton.language, none of its @jit-decorated standard library
+# (tl.zeros, tl.cdiv, tl.sum): those are compiled or interpreted as chosen when triton itself was
+# imported, so with them these kernels would fail in the interpreter whenever triton was imported
+# (by torch.compile, say) before TRITON_INTERPRET was set.
 
 
 @triton.jit
-def _row_tile(ptr, base, i, col, img_ok, offs_c, dx: tl.constexpr,
-              H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
-    """Row i of each of the program's images, shifted by dx pixels: [images*W, channels]; zero
-    outside the image (rows outside 0..H-1, columns outside 0..W-1, images past N)."""
-    c2 = col + dx
-    ok = img_ok & (i >= 0) & (i < H) & (c2 >= 0) & (c2 < W)
-    return tl.load(ptr + (base + i * W + dx)[:, None] * CH + offs_c[None, :], mask=ok[:, None],
+def _wide_ok(i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+    c2 = col[:, None] + (j // CH - 1)[None, :]
+    return img_ok[:, None] & (i >= 0) & (i < H) & (c2 >= 0) & (c2 < W) & (j < 3 * CH)[None, :]
+
+
+@triton.jit
+def _wide_tile(ptr, base, i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+    """Row i of each image as a [pixels, 4CH] tile: column j is channel j % CH of the pixel
+    j // CH - 1 places to the right; zero outside the image and in the fourth pixel's columns."""
+    ok = _wide_ok(i, col, img_ok, j, H, W, CH)
+    return tl.load(ptr + (base + i * W - 1)[:, None] * CH + j[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _wide_tile_t(ptr, base, i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+    """The [4CH, pixels] transpose of ``_wide_tile``, loaded as such."""
+    ok = _wide_ok(i, col, img_ok, j, H, W, CH)
+    return tl.load(ptr + tl.trans((base + i * W - 1)[:, None] * CH + j[None, :]), mask=tl.trans(ok),
                    other=0.0)
 
 
 @triton.jit
-def _fwd_rows_kernel(x_ptr, w_ptr, y_ptr, N,
-                     H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                     IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """y[n, o, :, k] = sum over kernel rows r, columns s and channels c of
-    x[n, o + r - 1, : + s - 1, c] * w[3r + s, c, k], for IMGS images, ROWS rows, BLOCK_N outputs."""
+def _fwd_kernel(x_ptr, w_ptr, y_ptr, N,
+                H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1])[:, :] @ w[r, :, k] for IMGS
+    images, a band of ROWS output rows and BLOCK_N output channels; w is [3, 4C, K]."""
     pid = tl.program_id(0)
     NUM_NT: tl.constexpr = K // BLOCK_N
     SEGS: tl.constexpr = H // ROWS
@@ -73,27 +96,27 @@ def _fwd_rows_kernel(x_ptr, w_ptr, y_ptr, N,
     r0 = (rest % SEGS) * ROWS
     n0 = (rest // SEGS) * IMGS
     BM: tl.constexpr = IMGS * W
+    JC: tl.constexpr = 4 * C
     p = tl.arange(0, BM)
     img = n0 + p // W
     col = p % W
     img_ok = img < N
     base = img * (H * W) + col        # pixel index of (img, row 0, col)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc_hi = tl.full((BM, BLOCK_N), 0.0, tl.float32)    # output row i - 1 (kernel row 2)
-    acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)   # output row i (kernel row 1)
+    j = tl.arange(0, JC)
+    wr = w_ptr + j[:, None] * K + offs_n[None, :]
+    w_lo = tl.load(wr)                # kernel row 0: the row loaded feeds output row i + 1
+    w_mid = tl.load(wr + JC * K)      # kernel row 1: output row i
+    w_hi = tl.load(wr + 2 * JC * K)   # kernel row 2: output row i - 1
+    acc_hi = tl.full((BM, BLOCK_N), 0.0, tl.float32)
+    acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     for t in range(ROWS + 2):
-        i = r0 - 1 + t                                  # the input row of this step
-        acc_lo = tl.full((BM, BLOCK_N), 0.0, tl.float32)  # output row i + 1 (kernel row 0)
-        for ck in tl.static_range(C // BLOCK_K):
-            cc = ck * BLOCK_K + offs_k
-            wrow = w_ptr + cc[:, None] * K + offs_n[None, :]
-            for s in tl.static_range(3):
-                a = _row_tile(x_ptr, base, i, col, img_ok, cc, s - 1, H, W, C)
-                acc_lo = tl.dot(a, tl.load(wrow + s * (C * K)), acc_lo)
-                acc_mid = tl.dot(a, tl.load(wrow + (3 + s) * (C * K)), acc_mid)
-                acc_hi = tl.dot(a, tl.load(wrow + (6 + s) * (C * K)), acc_hi)
-        # Output row i - 1 has all three kernel rows now (from steps 2 on it is in the band).
+        i = r0 - 1 + t                # the input row of this step
+        a = _wide_tile(x_ptr, base, i, col, img_ok, j, H, W, C)
+        acc_lo = tl.dot(a, w_lo)
+        acc_mid = tl.dot(a, w_mid, acc_mid)
+        acc_hi = tl.dot(a, w_hi, acc_hi)
+        # Output row i - 1 is complete (and in the band from step 2 on).
         out = y_ptr + (base + (i - 1) * W)[:, None] * K + offs_n[None, :]
         tl.store(out, acc_hi.to(y_ptr.dtype.element_ty), mask=(img_ok & (t >= 2))[:, None])
         acc_hi = acc_mid
@@ -101,121 +124,119 @@ def _fwd_rows_kernel(x_ptr, w_ptr, y_ptr, N,
 
 
 @triton.jit
-def _wgrad_rows_kernel(dy_ptr, x_ptr, part_ptr, N,
-                       H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                       IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_KO: tl.constexpr):
-    """part[program, k, 3r + s, c] = this program's share of
+def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, N,
+                  H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                  IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """part[program, k, 3r + s, c]: this program's share of the weight gradient
     sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c]."""
     pid = tl.program_id(0)
-    NUM_CT: tl.constexpr = C // BLOCK_C
-    NUM_KT: tl.constexpr = K // BLOCK_KO
+    NUM_NT: tl.constexpr = K // BLOCK_N
     SEGS: tl.constexpr = H // ROWS
-    ch = pid % (NUM_CT * NUM_KT)      # channel tile fastest: its siblings share the rows in L2
-    rest = pid // (NUM_CT * NUM_KT)
+    nt = pid % NUM_NT
+    rest = pid // NUM_NT
     r0 = (rest % SEGS) * ROWS
     n0 = (rest // SEGS) * IMGS
     BM: tl.constexpr = IMGS * W
+    JC: tl.constexpr = 4 * C
     p = tl.arange(0, BM)
     img = n0 + p // W
     col = p % W
     img_ok = img < N
     base = img * (H * W) + col
-    offs_c = (ch % NUM_CT) * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_k = (ch // NUM_CT) * BLOCK_KO + tl.arange(0, BLOCK_KO)
-    zero_d = tl.full((BM, BLOCK_KO), 0.0, dy_ptr.dtype.element_ty)
-    d_prev = zero_d                   # dy row i - 1 (within the band, else zero)
-    d_cur = zero_d                    # dy row i
-    a0 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a1 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a2 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a3 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a4 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a5 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a6 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a7 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
-    a8 = tl.full((BLOCK_KO, BLOCK_C), 0.0, tl.float32)
+    offs_k = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, JC)
+    d_prev = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)   # dy row i - 1 (zero outside the band)
+    d_cur = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)    # dy row i
+    g_lo = tl.full((JC, BLOCK_N), 0.0, tl.float32)     # kernel row 0
+    g_mid = tl.full((JC, BLOCK_N), 0.0, tl.float32)    # kernel row 1
+    g_hi = tl.full((JC, BLOCK_N), 0.0, tl.float32)     # kernel row 2
     for t in range(ROWS + 2):
         i = r0 - 1 + t                # the input row of this step
         o = i + 1                     # the dy row it meets through kernel row 0
         d_ok = img_ok & (o >= r0) & (o < r0 + ROWS)
         d_next = tl.load(dy_ptr + (base + o * W)[:, None] * K + offs_k[None, :],
                          mask=d_ok[:, None], other=0.0)
-        lo, mid, hi = tl.trans(d_next), tl.trans(d_cur), tl.trans(d_prev)
-        xa = _row_tile(x_ptr, base, i, col, img_ok, offs_c, -1, H, W, C)
-        a0 = tl.dot(lo, xa, a0)
-        a3 = tl.dot(mid, xa, a3)
-        a6 = tl.dot(hi, xa, a6)
-        xb = _row_tile(x_ptr, base, i, col, img_ok, offs_c, 0, H, W, C)
-        a1 = tl.dot(lo, xb, a1)
-        a4 = tl.dot(mid, xb, a4)
-        a7 = tl.dot(hi, xb, a7)
-        xc = _row_tile(x_ptr, base, i, col, img_ok, offs_c, 1, H, W, C)
-        a2 = tl.dot(lo, xc, a2)
-        a5 = tl.dot(mid, xc, a5)
-        a8 = tl.dot(hi, xc, a8)
+        at = _wide_tile_t(x_ptr, base, i, col, img_ok, j, H, W, C)
+        g_lo = tl.dot(at, d_next, g_lo)
+        g_mid = tl.dot(at, d_cur, g_mid)
+        g_hi = tl.dot(at, d_prev, g_hi)
         d_prev = d_cur
         d_cur = d_next
-    # Partials (programs, K, 9, C): element (k, tap, c) at k * 9C + tap * C + c.
-    out = part_ptr + rest * (K * 9 * C) + offs_k[:, None] * (9 * C) + offs_c[None, :]
-    tl.store(out + 0 * C, a0)
-    tl.store(out + 1 * C, a1)
-    tl.store(out + 2 * C, a2)
-    tl.store(out + 3 * C, a3)
-    tl.store(out + 4 * C, a4)
-    tl.store(out + 5 * C, a5)
-    tl.store(out + 6 * C, a6)
-    tl.store(out + 7 * C, a7)
-    tl.store(out + 8 * C, a8)
+    # Row j of g_r is tap 3r + j // C, channel j % C: at k * 9C + r * 3C + j in the partials.
+    out = part_ptr + rest * (K * 9 * C) + offs_k[None, :] * (9 * C) + j[:, None]
+    ok = (j < 3 * C)[:, None]
+    tl.store(out, g_lo, mask=ok)
+    tl.store(out + 3 * C, g_mid, mask=ok)
+    tl.store(out + 6 * C, g_hi, mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
 # configurations
 
-# A config: BM = images x W pixels per GEMM tile, SEGS = row bands per image (ROWS = H / SEGS).
-DEFAULT_FWD = {"BM": 128, "SEGS": 1, "num_warps": 4, "num_stages": 2}
-DEFAULT_WGRAD = {"BM": 128, "SEGS": 1, "num_warps": 4, "num_stages": 2}
-_FWD_BLOCK_CAP = 64      # input-channel chunk per tl.dot and output-channel tile
-_WGRAD_BLOCK_CAP = 32    # wgrad channel tiles: 9 [32, 32] float32 accumulators fit in registers
+# A config: BM pixels per GEMM tile (images x W), SEGS row bands per image (ROWS = H / SEGS), BN
+# output channels per program (K by default), num_warps, num_stages.
+_CONFIG_KEYS = ("BM", "SEGS", "BN", "num_warps", "num_stages")
+DEFAULT_FWD = {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3}
+DEFAULT_WGRAD = {"BM": 128, "SEGS": 1, "num_warps": 8, "num_stages": 1}
+
+# The configuration the training step uses per op ("fprop", "dgrad", "wgrad") and convolution
+# shape, keyed (op, N, C, K, H, W) with the layer's own C -> K (N = 0: any batch); ops and shapes
+# not listed run cuDNN. Chosen from benchmarks/conv_rows_bench.py sweeps on an H100 (sm90) and
+# used on GPUs of compute capability 9.x only (``tuned_config``).
+CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
+    # H100, 2026-11-27 (benchmarks/results/2026-11-27-h100-conv-rows-kernels.json), in us, ours / cuDNN:
+    ("fprop", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 42.4 / 68.2
+    ("dgrad", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 42.7 / 62.1
+    ("wgrad", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 2},   # 68.4 / 127.2
+    ("fprop", 0, 64, 64, 16, 16): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 32.1 / 41.2
+    ("dgrad", 0, 64, 64, 16, 16): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 31.8 / 34.7
+    # (wgrad at 64 channels: 66.8 / 42.6, and every op at 128 channels: the wide tile does not fit; cuDNN)
+    # The teacher's forward at batch 256: two row bands per image keep the GPU's SMs busy.
+    ("fprop", 256, 32, 32, 32, 32): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 25.5 / 40.6
+    ("fprop", 256, 64, 64, 16, 16): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 21.8 / 25.4
+}
+TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
 
-# The configuration the training step uses per convolution shape and op ("fprop", "dgrad",
-# "wgrad"), keyed (op, C, K, H, W) by the layer's own C -> K; shapes not listed run
-# conv_triton's tap kernels. Filled from benchmarks/conv_rows_bench.py's measurements.
-CONFIGS: dict[tuple[str, int, int, int, int], dict[str, int]] = {}
+def tuned_config(op: str, n: int, c: int, k: int, h: int, w: int,
+                 device: torch.device | None = None) -> dict[str, int] | None:
+    """The table's configuration for ``op`` of a C -> K convolution of N images of H x W, or None
+    (run cuDNN). On a CUDA device of another compute capability than the table's: None."""
+    if device is not None and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:
+        return None
+    return CONFIGS.get((op, n, c, k, h, w)) or CONFIGS.get((op, 0, c, k, h, w))
 
 
-def config_for(op: str, c: int, k: int, h: int, w: int) -> dict[str, int] | None:
-    """The row kernels' configuration for ``op`` of a C -> K convolution on H x W, or None (taps)."""
-    return CONFIGS.get((op, c, k, h, w))
-
-
-def _resolve(config: dict | None, default: dict, h: int, w: int) -> tuple[int, int, dict]:
-    """(images per program, rows per program, launch options) of a config; ValueError if it does
-    not fit the shape."""
+def _resolve(config: dict | None, default: dict, h: int, w: int, k: int) -> tuple[int, int, int, dict]:
+    """(images per program, rows per program, output-channel tile, launch options) of a config;
+    ValueError if it does not fit the shape."""
     cfg = dict(default if config is None else config)
-    bm, segs = cfg.pop("BM", default["BM"]), cfg.pop("SEGS", default["SEGS"])
-    launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
-    if cfg:
-        raise ValueError(f"unknown config keys {sorted(cfg)}; known: BM, SEGS, num_warps, num_stages")
-    if w & (w - 1):
+    unknown = sorted(set(cfg) - set(_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; known: {', '.join(_CONFIG_KEYS)}")
+    bm, segs, bn = cfg.get("BM", default["BM"]), cfg.get("SEGS", 1), cfg.get("BN", k)
+    launch = {key: cfg[key] for key in ("num_warps", "num_stages") if key in cfg}
+    if w < 1 or w & (w - 1):
         raise ValueError(f"the row kernels need a power-of-two width W, got {w}")
     if bm < 16 or bm & (bm - 1) or bm % w:
         raise ValueError(f"config BM={bm} must be a power of two >= 16 and a multiple of W={w}")
     if segs < 1 or h % segs:
         raise ValueError(f"config SEGS={segs} must divide H={h}")
-    return bm // w, h // segs, launch
+    if bn < 16 or bn & (bn - 1) or k % bn:
+        raise ValueError(f"config BN={bn} must be a power of two >= 16 dividing the {k} output channels")
+    return bm // w, h // segs, bn, ({} if INTERPRET else launch)
 
 
-def supports(x_shape: tuple[int, ...], k: int, config: dict | None = None) -> bool:
-    """Whether the row kernels take an (N, C, H, W) activation with k output channels (and config)."""
-    if len(x_shape) != 4:
+def supports(shape: tuple[int, ...], k: int, config: dict | None = None) -> bool:
+    """Whether the kernels take an (N, C, H, W) activation with k output channels (and config)."""
+    if len(shape) != 4:
         return False
-    _, c, h, w = x_shape
-    if c % 16 or k % 16:
+    _, c, h, w = shape
+    if c < 4 or c & (c - 1) or k % 16:
         return False
     try:
-        _resolve(config, DEFAULT_FWD, h, w)
+        _resolve(config, DEFAULT_FWD, h, w, k)
     except ValueError:
         return False
     return True
@@ -225,33 +246,71 @@ def supports(x_shape: tuple[int, ...], k: int, config: dict | None = None) -> bo
 # host side
 
 
-def conv3x3_rows_fwd(x: torch.Tensor, wp: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
-    """conv2d(x, w, stride 1, padding 1, no bias) with ``wp = pack_weight(w, x.dtype)`` ([9, C, K]);
-    with ``pack_weight(w, dtype, for_dgrad=True)`` and dy for x this is the input gradient.
-    x: (N, C, H, W) channels_last. Returns (N, K, H, W) channels_last in x's dtype."""
-    _check_activation("x", x, "C")
-    n, c, h, w = x.shape
-    if wp.dim() != 3 or wp.shape[0] != 9 or wp.shape[1] != c or not wp.is_contiguous():
-        raise ValueError(f"wp must be a contiguous packed weight of shape (9, {c}, K) "
-                         f"(see conv_triton.pack_weight), got {tuple(wp.shape)}")
-    if wp.dtype != x.dtype or wp.device != x.device:
-        raise ValueError(f"wp must match x's dtype and device ({x.dtype}, {x.device}), "
-                         f"got ({wp.dtype}, {wp.device})")
-    k = wp.shape[2]
+def _check_activation(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D (N, C, H, W), got shape {tuple(t.shape)}")
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if t.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"{name} is on {t.device}: the kernels need a CUDA tensor (CPU tensors run "
+                         f"only in Triton's interpreter: TRITON_INTERPRET=1 before importing this module)")
+    if not t.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"{name} must be in torch.channels_last memory format (NHWC in memory); "
+                         f"got strides {t.stride()} for shape {tuple(t.shape)}: "
+                         f"use {name}.contiguous(memory_format=torch.channels_last)")
+    if t.numel() >= _INT32_LIMIT:
+        raise ValueError(f"{name} has {t.numel()} elements; int32 indexing allows fewer than 2**31")
+
+
+def _check_channels(c: int, k: int) -> None:
+    if c < 4 or c & (c - 1):
+        raise ValueError(f"the row kernels need a power-of-two number of input channels >= 4, got {c}")
     if k % 16:
-        raise ValueError(f"wp has {k} output channels; the kernels need a multiple of 16")
-    imgs, rows, launch = _resolve(config, DEFAULT_FWD, h, w)
+        raise ValueError(f"the row kernels need a multiple of 16 output channels, got {k}")
+
+
+def pack_weight(w: torch.Tensor, dtype: torch.dtype, *, for_dgrad: bool = False) -> torch.Tensor:
+    """The (K, C, 3, 3) weight as the kernels read it: a contiguous [3, 4C, K] tensor of ``dtype``,
+    row s * C + c of kernel row r holding tap (r, s) of input channel c, rows 3C..4C-1 zero.
+    ``for_dgrad`` packs the spatially flipped weight with input and output channels swapped
+    ([3, 4K, C]): the input gradient is the convolution of dy with it."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"only 3x3 kernels are supported: w must have shape (K, C, 3, 3), got {shape}")
+    if for_dgrad:
+        w = w.flip(2, 3).transpose(0, 1)
+    c_out, c_in = w.shape[0], w.shape[1]
+    out = torch.zeros((3, 4, c_in, c_out), dtype=dtype, device=w.device)
+    out[:, :3] = w.permute(2, 3, 1, 0).to(dtype)          # [r, s, c, k]
+    return out.view(3, 4 * c_in, c_out)
+
+
+def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """conv2d(x, w, stride 1, padding 1, no bias) with ``wq = pack_weight(w, x.dtype)``; with
+    ``pack_weight(w, dtype, for_dgrad=True)`` and dy for x this is the input gradient. x: (N, C, H, W)
+    channels_last. Returns (N, K, H, W) channels_last in x's dtype. ``config`` overrides the
+    default tile configuration (see ``CONFIGS``)."""
+    _check_activation("x", x)
+    n, c, h, w = x.shape
+    if not isinstance(wq, torch.Tensor) or wq.dim() != 3 or tuple(wq.shape[:2]) != (3, 4 * c) \
+            or not wq.is_contiguous():
+        shape = tuple(wq.shape) if isinstance(wq, torch.Tensor) else type(wq).__name__
+        raise ValueError(f"wq must be a contiguous packed weight of shape (3, {4 * c}, K) from "
+                         f"pack_weight, got {shape}")
+    if wq.dtype != x.dtype or wq.device != x.device:
+        raise ValueError(f"wq must match x's dtype and device ({x.dtype}, {x.device}), "
+                         f"got ({wq.dtype}, {wq.device})")
+    k = wq.shape[2]
+    _check_channels(c, k)
+    imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, w, k)
+    if n * k * h * w >= _INT32_LIMIT:
+        raise ValueError(f"the output would have {n * k * h * w} elements; int32 indexing allows fewer than 2**31")
     y = torch.empty((n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    if y.numel() >= _INT32_LIMIT:
-        raise ValueError(f"the output would have {y.numel()} elements; int32 indexing allows fewer than 2**31")
-    block_k = _pow2_divisor(c, _FWD_BLOCK_CAP)
-    block_n = _pow2_divisor(k, _FWD_BLOCK_CAP)
-    grid = (triton.cdiv(n, imgs) * (h // rows) * (k // block_n),)
-    if INTERPRET:
-        launch = {}
-    _LAST_KERNEL["fwd"] = _fwd_rows_kernel[grid](
-        x, wp, y, n, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        **launch)
+    grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
+    _LAST_KERNEL["fwd"] = _fwd_kernel[grid](x, wq, y, n, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows,
+                                            BLOCK_N=bn, **launch)
     return y
 
 
@@ -259,8 +318,8 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, *, config: dict | None
     """The weight gradient dw (K, C, 3, 3), float32, of y = conv2d(x, w, padding=1) given dy; both
     (N, ·, H, W) channels_last. dw is in channels_last memory format (K, 3, 3, C in memory).
     Deterministic: per-program partial sums, added by one reduction."""
-    _check_activation("dy", dy, "K")
-    _check_activation("x", x, "C")
+    _check_activation("dy", dy)
+    _check_activation("x", x)
     if dy.device != x.device or dy.dtype != x.dtype:
         raise ValueError(f"dy and x must share device and dtype, got ({dy.device}, {dy.dtype}) "
                          f"and ({x.device}, {x.dtype})")
@@ -269,15 +328,22 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, *, config: dict | None
         raise ValueError(f"dy {tuple(dy.shape)} and x {tuple(x.shape)} must share N, H and W "
                          f"(stride 1, padding 1)")
     k = dy.shape[1]
-    imgs, rows, launch = _resolve(config, DEFAULT_WGRAD, h, w)
-    block_c = _pow2_divisor(c, _WGRAD_BLOCK_CAP)
-    block_ko = _pow2_divisor(k, _WGRAD_BLOCK_CAP)
+    _check_channels(c, k)
+    imgs, rows, bn, launch = _resolve(config, DEFAULT_WGRAD, h, w, k)
     programs = triton.cdiv(n, imgs) * (h // rows)
     part = torch.empty((programs, k, 9, c), dtype=torch.float32, device=x.device)
-    grid = (programs * (c // block_c) * (k // block_ko),)
-    if INTERPRET:
-        launch = {}
-    _LAST_KERNEL["wgrad"] = _wgrad_rows_kernel[grid](
-        dy, x, part, n, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_C=block_c,
-        BLOCK_KO=block_ko, **launch)
+    grid = (programs * (k // bn),)
+    _LAST_KERNEL["wgrad"] = _wgrad_kernel[grid](dy, x, part, n, H=h, W=w, C=c, K=k, IMGS=imgs,
+                                                ROWS=rows, BLOCK_N=bn, **launch)
     return part.sum(dim=0).view(k, 3, 3, c).permute(0, 3, 1, 2)
+
+
+def kernel_info(name: str) -> dict[str, Any]:
+    """Registers, spills and shared memory of the kernel the last ``name`` ("fwd" or "wgrad") call
+    launched (for benchmark reports; empty under the interpreter)."""
+    kernel = _LAST_KERNEL.get(name)
+    info: dict[str, Any] = {attr: getattr(kernel, attr) for attr in ("n_regs", "n_spills") if hasattr(kernel, attr)}
+    meta = getattr(kernel, "metadata", None)
+    if meta is not None and hasattr(meta, "shared"):
+        info["shared"] = meta.shared
+    return info

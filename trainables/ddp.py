@@ -55,7 +55,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     data = prepare_data(cfg.data, cfg.labeled_seed, device)
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, data.num_classes).to(device)
-    apply_conv_kernels(student, cfg.train.conv_kernels, device)
+    apply_conv_kernels(student, cfg.train.conv_kernels, "model", device)   # DDP steps: graphs per model pass
     teacher = make_teacher(student)
     global_batch = cfg.train.batch_size * world
     optimizer = make_optimizer(student, cfg.optim, global_batch)

@@ -1,26 +1,30 @@
-"""3x3 convolutions through our own Triton kernels (``trainables.conv_triton``) instead of cuDNN.
+"""3x3 convolutions through our own Triton kernels (``trainables.conv_rows``) where they beat cuDNN.
 
 cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) at 10-33% of
-their memory bound on an H100 (3-10x slower than it). ``use_triton_convs(model)`` switches every
-eligible layer (3x3, stride 1, padding 1, no bias, 32 or more input channels, channel counts a
-multiple of 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
-``cowtune::conv3x3`` operator. On CUDA that operator runs the Triton kernels; elsewhere it runs
-PyTorch's own convolution, so a model switched on one device still runs (and is tested) on
-another. torch.compile keeps the operator whole, as it does cuDNN's; its backward
-(``cowtune::conv3x3_backward``) returns both gradients.
+their memory bound on an H100. ``use_triton_convs(model)`` switches every eligible layer (3x3,
+stride 1, padding 1, no bias, a power-of-two number of input channels, output channels a multiple of
+16) to ``TritonConv2d``: the same parameters and state dict, computed through the
+``cowtune::conv3x3`` operator. On CUDA that operator runs the row-streaming kernels for the ops and
+shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's 32- and 64-channel layers) and
+cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
+still runs (and is tested) on another. torch.compile keeps the operator whole, as it does cuDNN's;
+its backward (``cowtune::conv3x3_backward``) returns both gradients. The kernels are deterministic
+(the weight gradient adds per-program partial sums, no atomics).
 
-The trainer switches a model when ``train.conv_kernels`` is "triton" (off by default): in the
-captured WRN-28-2 CowMix step on an H100 it gained 0.9% (README, "Performance"), less than it costs
-in autotuning per process and bit-exactness (the weight gradient sums with float atomics).
+The trainer switches a model when ``train.conv_kernels`` is "triton" (the default), each step is one
+CUDA graph (``train.cuda_graph: step``, the default on CUDA) and it trains on a GPU of the compute
+capability the table was measured on (9.x: H100, H200): in the captured WRN-28-2 CowMix step on an
+H100, 139.4 -> 151.6 steps/s (README, "Performance").
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MIN_CHANNELS = 32   # the narrowest convolutions measured (WRN-28-2's first stage); 16 is left to cuDNN
-CHANNEL_MULTIPLE = 16   # the kernels' tensor-core tiles
+CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
 
 def _format_of(x: Tensor) -> torch.memory_format:
@@ -40,16 +44,46 @@ def conv3x3(x: Tensor, w: Tensor) -> Tensor:
     return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=_format_of(x))
 
 
+def _rows_or_none(op: str, x_shape, c: int, k: int, device: torch.device) -> dict | None:
+    """The row kernels' configuration for ``op`` of this C -> K layer, or None: run cuDNN."""
+    from trainables import conv_rows
+
+    key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
+    if key in _FELL_BACK:
+        return None
+    return conv_rows.tuned_config(op, *key[1:], device=device)
+
+
+def _fall_back(op: str, x_shape, c: int, k: int, err: Exception) -> None:
+    """A row kernel that cannot run on this GPU (not enough shared memory, say): cuDNN from now on."""
+    key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
+    _FELL_BACK.add(key)
+    warnings.warn(f"cowtune: the Triton {op} kernel for {key[1:]} (N, C, K, H, W) cannot run here "
+                  f"({type(err).__name__}: {str(err)[:200]}); using cuDNN for it", RuntimeWarning, stacklevel=3)
+
+
+_FELL_BACK: set[tuple] = set()
+
+
+def _resource_errors() -> tuple[type[Exception], ...]:
+    from triton.runtime.errors import OutOfResources
+
+    return (OutOfResources,)
+
+
 @conv3x3.register_kernel("cuda")
 def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
     from trainables import conv_rows
-    from trainables.conv_triton import conv3x3_fwd_packed, pack_weight
 
     x = x.contiguous(memory_format=torch.channels_last)
-    cfg = conv_rows.config_for("fprop", x.shape[1], w.shape[0], x.shape[2], x.shape[3])
+    c, k = x.shape[1], w.shape[0]
+    cfg = _rows_or_none("fprop", x.shape, c, k, x.device)
     if cfg is not None:
-        return conv_rows.conv3x3_rows_fwd(x, pack_weight(w, x.dtype), config=cfg)
-    return conv3x3_fwd_packed(x, pack_weight(w, x.dtype))
+        try:
+            return conv_rows.conv3x3_rows_fwd(x, conv_rows.pack_weight(w, x.dtype), config=cfg)
+        except _resource_errors() as e:
+            _fall_back("fprop", x.shape, c, k, e)
+    return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=torch.channels_last)
 
 
 @conv3x3.register_fake
@@ -70,19 +104,30 @@ def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
 @conv3x3_backward.register_kernel("cuda")
 def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     from trainables import conv_rows
-    from trainables.conv_triton import conv3x3_dgrad, conv3x3_wgrad, pack_weight
 
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
-    shape = (x.shape[1], w.shape[0], x.shape[2], x.shape[3])
-    cfg = conv_rows.config_for("dgrad", *shape)
+    c, k = x.shape[1], w.shape[0]
+    dx = dw = None
+    cfg = _rows_or_none("dgrad", x.shape, c, k, x.device)
     if cfg is not None:
-        dx = conv_rows.conv3x3_rows_fwd(dy, pack_weight(w, dy.dtype, for_dgrad=True), config=cfg)
-    else:
-        dx = conv3x3_dgrad(dy, w)
-    cfg = conv_rows.config_for("wgrad", *shape)
-    dw = conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg) if cfg is not None else conv3x3_wgrad(dy, x)
-    return dx, dw.to(w.dtype).contiguous(memory_format=_format_of(w))
+        try:
+            dx = conv_rows.conv3x3_rows_fwd(dy, conv_rows.pack_weight(w, dy.dtype, for_dgrad=True), config=cfg)
+        except _resource_errors() as e:
+            _fall_back("dgrad", x.shape, c, k, e)
+    cfg = _rows_or_none("wgrad", x.shape, c, k, x.device)
+    if cfg is not None:
+        try:
+            dw = conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg)   # float32, channels_last
+        except _resource_errors() as e:
+            _fall_back("wgrad", x.shape, c, k, e)
+    if dx is None or dw is None:   # cuDNN for what the row kernels do not compute
+        gx, gw, _ = torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, [1, 1], [1, 1], [1, 1], False,
+                                                        [0, 0], 1, [dx is None, dw is None, False])
+        dx = gx if dx is None else dx
+        dw = gw if dw is None else dw
+    return (dx.contiguous(memory_format=torch.channels_last),
+            dw.to(w.dtype).contiguous(memory_format=_format_of(w)))
 
 
 @conv3x3_backward.register_fake
@@ -118,14 +163,23 @@ def eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution the Triton kernels compute."""
     return (type(m) is nn.Conv2d and m.kernel_size == (3, 3) and m.stride == (1, 1) and m.padding == (1, 1)
             and m.dilation == (1, 1) and m.groups == 1 and m.bias is None and m.padding_mode == "zeros"
-            and m.in_channels >= MIN_CHANNELS and m.in_channels % CHANNEL_MULTIPLE == 0
+            and m.in_channels >= 4 and not m.in_channels & (m.in_channels - 1)
             and m.out_channels % CHANNEL_MULTIPLE == 0)
 
 
-def apply_conv_kernels(model: nn.Module, conv_kernels: str, device: torch.device) -> int:
-    """Switch ``model`` as ``train.conv_kernels`` asks: to the Triton kernels when it says "triton" and the
-    model trains on CUDA (elsewhere they would only run PyTorch's convolution); returns how many layers."""
-    return use_triton_convs(model) if conv_kernels == "triton" and device.type == "cuda" else 0
+def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
+    """Switch ``model`` as ``train.conv_kernels`` asks: to the Triton kernels when it says "triton", the model
+    trains on a CUDA GPU of the compute capability their table was measured on (elsewhere the operator would
+    only run cuDNN's or PyTorch's convolution) and each step is one CUDA graph (``cuda_graph`` "step"; launched
+    one by one through Triton's Python launcher they are slower than cuDNN: 28-31 against 48-51 steps/s on an
+    H100); returns how many layers."""
+    if conv_kernels != "triton" or cuda_graph != "step" or device.type != "cuda":
+        return 0
+    from trainables.conv_rows import TUNED_CAPABILITY
+
+    if torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:
+        return 0
+    return use_triton_convs(model)
 
 
 def use_triton_convs(model: nn.Module) -> int:

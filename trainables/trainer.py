@@ -165,7 +165,7 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> St
     """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them."""
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
-    apply_conv_kernels(student, cfg.train.conv_kernels, device)
+    apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
     if cfg.train.channels_last and device.type == "cuda":
         student = student.to(memory_format=torch.channels_last)
     teacher = make_teacher(student)

@@ -1,0 +1,152 @@
+"""trainables.conv_rows against PyTorch's convolution, on CPU through Triton's interpreter.
+
+Triton decides interpreter or compiler when ``@triton.jit`` runs, i.e. when conv_rows is imported,
+so TRITON_INTERPRET=1 is set around that import (and restored afterwards, so no other test module
+sees it). The interpreter's tl.dot is numpy's float32 matmul, so float32 results agree with PyTorch
+to float32 rounding.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton convolutions cannot run")
+
+
+def _import_interpreted():
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if "trainables.conv_rows" in sys.modules:
+            return importlib.reload(sys.modules["trainables.conv_rows"])
+        return importlib.import_module("trainables.conv_rows")
+    finally:
+        if prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
+cr = _import_interpreted()
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _cl(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def _inputs(n, c, k, h, w, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = _cl(torch.randn(n, c, h, w, generator=g))
+    wt = torch.randn(k, c, 3, 3, generator=g) / (9 * c) ** 0.5
+    dy = _cl(torch.randn(n, k, h, w, generator=g))
+    return x, wt, dy
+
+
+def _reference_backward(dy, x, wt):
+    dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, wt, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                    [True, True, False])
+    return dx, dw
+
+
+# (N, C, K, H, W, config): one image per tile and several; several row bands; output-channel tiles; a
+# batch that does not fill the last tile; images narrower than a tile
+CASES = [
+    (3, 16, 32, 8, 8, {"BM": 16, "SEGS": 2}),
+    (2, 32, 16, 4, 16, {"BM": 32, "SEGS": 1}),
+    (5, 64, 32, 8, 4, {"BM": 16, "SEGS": 4, "BN": 16}),
+    (3, 16, 16, 6, 8, {"BM": 32, "SEGS": 3, "BN": 16}),
+    (2, 4, 48, 2, 2, {"BM": 16, "SEGS": 1, "BN": 16}),
+]
+
+
+@pytest.mark.parametrize("n,c,k,h,w,config", CASES)
+def test_forward_input_and_weight_gradients_match_pytorch(n, c, k, h, w, config):
+    x, wt, dy = _inputs(n, c, k, h, w)
+    y = cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype), config=config)
+    assert y.shape == (n, k, h, w) and y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.conv2d(x, wt, padding=1), **TOL)
+    ex, ew = _reference_backward(dy, x, wt)
+    if cr.supports(dy.shape, c):   # the input gradient: the forward kernel on dy (K channels in, C out)
+        dx = cr.conv3x3_rows_fwd(dy, cr.pack_weight(wt, dy.dtype, for_dgrad=True), config=config)
+        torch.testing.assert_close(dx, ex, **TOL)
+    dw = cr.conv3x3_rows_wgrad(dy, x, config=config)
+    assert dw.dtype == torch.float32 and dw.shape == (k, c, 3, 3)
+    assert dw.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(dw, ew, **TOL)
+
+
+def test_default_configs_and_the_table_configs_run():
+    x, wt, dy = _inputs(2, 32, 32, 8, 8)
+    torch.testing.assert_close(cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype)), F.conv2d(x, wt, padding=1),
+                               **TOL)
+    torch.testing.assert_close(cr.conv3x3_rows_wgrad(dy, x), _reference_backward(dy, x, wt)[1], **TOL)
+    for (op, n, c, k, h, w), cfg in cr.CONFIGS.items():   # every table entry fits its own shape
+        assert cr.supports((n or 2, c, h, w), k, cfg), (op, c, k, h, w, cfg)
+
+
+def test_weight_gradient_is_deterministic():
+    x, _, dy = _inputs(4, 16, 16, 8, 8, seed=3)
+    a = cr.conv3x3_rows_wgrad(dy, x, config={"BM": 16, "SEGS": 2})
+    b = cr.conv3x3_rows_wgrad(dy, x, config={"BM": 16, "SEGS": 2})
+    assert torch.equal(a, b)
+
+
+def test_packed_weight_layout():
+    wt = torch.arange(2 * 4 * 9, dtype=torch.float32).view(2, 4, 3, 3)
+    wq = cr.pack_weight(wt, torch.float32)
+    assert wq.shape == (3, 16, 2) and wq.is_contiguous()
+    for r in range(3):
+        for s in range(3):
+            assert torch.equal(wq[r, s * 4:(s + 1) * 4], wt[:, :, r, s].T)
+    assert not wq[:, 12:].any()   # the fourth pixel's rows are zero
+    wd = cr.pack_weight(wt, torch.float32, for_dgrad=True)   # flipped, channels swapped: [3, 4K, C]
+    assert wd.shape == (3, 8, 4) and torch.equal(wd[0, :2], wt[:, :, 2, 2])
+
+
+def test_table_lookup_prefers_the_batch_then_any_batch(monkeypatch):
+    monkeypatch.setattr(cr, "CONFIGS", {("fprop", 0, 32, 32, 32, 32): {"BM": 64},
+                                        ("fprop", 256, 32, 32, 32, 32): {"BM": 128}})
+    assert cr.tuned_config("fprop", 256, 32, 32, 32, 32) == {"BM": 128}
+    assert cr.tuned_config("fprop", 512, 32, 32, 32, 32) == {"BM": 64}
+    assert cr.tuned_config("wgrad", 512, 32, 32, 32, 32) is None
+    assert cr.tuned_config("fprop", 512, 64, 64, 16, 16) is None
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x.contiguous(), wq), "channels_last"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x.to(torch.float64), wq), "dtype torch.float64"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq[:, :8]), r"shape \(3, 64, K\)"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq.half()), "match x's dtype"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 8}), "BM=8 must be a power of two >= 16"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "SEGS": 3}), "SEGS=3 must divide H=8"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "BN": 48}), "BN=48"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "TAPS": 3}), "unknown config keys"),
+    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(_cl(dy[:, :, :4]), x), "must share N, H and W"),
+    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(dy.half(), x), "share device and dtype"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 24, 8, 8)), cr.pack_weight(torch.randn(32, 24, 3, 3),
+                                                                                         torch.float32)),
+     "power-of-two number of input channels"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 16, 6, 6)), cr.pack_weight(torch.randn(32, 16, 3, 3),
+                                                                                        torch.float32)),
+     "power-of-two width"),
+    (lambda x, wq, dy: cr.pack_weight(torch.randn(8, 4, 1, 1), torch.float32), "only 3x3 kernels"),
+])
+def test_bad_input_gets_one_clear_message(call, match):
+    x, wt, dy = _inputs(2, 16, 32, 8, 8)
+    with pytest.raises(ValueError, match=match):
+        call(x, cr.pack_weight(wt, x.dtype), dy)
+
+
+def test_supports_says_beforehand():
+    assert cr.supports((8, 32, 32, 32), 32)
+    assert not cr.supports((8, 24, 32, 32), 32)        # C not a power of two
+    assert not cr.supports((8, 32, 32, 32), 24)        # K not a multiple of 16
+    assert not cr.supports((8, 32, 30, 30), 32)        # W not a power of two
+    assert not cr.supports((8, 32, 32, 32), 32, {"BM": 16})   # a tile narrower than an image row
+    assert not cr.supports((8, 32, 32), 32)
