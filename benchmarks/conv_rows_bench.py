@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (float32 on cpu)")
     p.add_argument("--shapes", default="0,1,3,4",
                    help="comma-separated shape indices (0-5: N=512 C=32,64,128, then N=256)")
-    p.add_argument("--ops", default="fprop,dgrad,wgrad")
+    p.add_argument("--ops", default="fprop,dgrad,wgrad,fprop_bn,wgrad_bn",
+                   help="fprop, dgrad, wgrad, and fprop_bn, wgrad_bn: with the batch-norm + ReLU prologue")
     p.add_argument("--teacher-ops", default="fprop", help="ops timed at N=256 (the teacher only runs forward)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench rep time per measurement")
     return p.parse_args(argv)
@@ -112,24 +113,53 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
         return torch.ops.aten.convolution_backward(dy, x, wt, None, [1, 1], [1, 1], [1, 1], False,
                                                    [0, 0], 1, mask)
 
+    # The batch-norm + ReLU prologue, per segment (the student's stacked call: two batches' statistics)
+    segs = 2 if n % 2 == 0 else 1
+    scale = 1.0 + 0.2 * torch.randn(segs, c, device=device, generator=g)
+    shift = 0.2 * torch.randn(segs, c, device=device, generator=g)
+
+    def bn_relu(t):
+        v = t.view(segs, n // segs, c, h, w).float()
+        return torch.relu(v * scale.view(segs, 1, c, 1, 1) + shift.view(segs, 1, c, 1, 1)).to(t.dtype).view(
+            n, c, h, w).contiguous(memory_format=cl)
+
+    bn_relu_c = torch.compile(bn_relu, dynamic=False) if device == "cuda" else bn_relu
+    a = bn_relu(x)
+    plain = {op: cr.CONFIGS.get((op, 0, c, k, h, w)) for op in ("fprop", "wgrad")}
+
+    def cudnn_wgrad(inp):
+        return torch.ops.aten.convolution_backward(dy, inp, wt, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                   [False, True, False])[1]
+
     plans = {   # op: (cuDNN, row kernel with a config, the kernel_info name)
         "fprop": (lambda: F.conv2d(x, wt, padding=1), lambda cfg: cr.conv3x3_rows_fwd(x, wq, config=cfg), "fwd"),
         "dgrad": (lambda: bwd([True, False, False])[0], lambda cfg: cr.conv3x3_rows_fwd(dy, wqd, config=cfg),
                   "fwd"),
         "wgrad": (lambda: bwd([False, True, False])[1], lambda cfg: cr.conv3x3_rows_wgrad(dy, x, config=cfg),
                   "wgrad"),
+        # with the prologue; the baseline: the compiled batch-norm + ReLU pass, then cuDNN
+        "fprop_bn": (lambda: F.conv2d(bn_relu_c(x), wt, padding=1),
+                     lambda cfg: cr.conv3x3_rows_fwd(x, wq, scale, shift, config=cfg), "fwd"),
+        "wgrad_bn": (lambda: cudnn_wgrad(bn_relu_c(x)),
+                     lambda cfg: cr.conv3x3_rows_wgrad(dy, x, scale, shift, config=cfg), "wgrad"),
+    }
+    unfused = {   # the pass, then our plain kernel with the table's configuration
+        "fprop_bn": lambda: cr.conv3x3_rows_fwd(bn_relu_c(x), wq, config=plain["fprop"]),
+        "wgrad_bn": lambda: cr.conv3x3_rows_wgrad(dy, bn_relu_c(x), config=plain["wgrad"]),
     }
     nbytes = (x.numel() + dy.numel()) * x.element_size()
     res: dict[str, Any] = {"shape": dict(N=n, C=c, K=k, H=h, W=w), "bound_us": nbytes / peak_bw * 1e6, "ops": {}}
     t0 = time.perf_counter()
     for op in ops:
         cudnn_fn, rows_fn, kname = plans[op]
-        entry: dict[str, Any] = {"table": cr.CONFIGS.get((op, 0, c, k, h, w)), "configs": []}
+        entry: dict[str, Any] = {"table": cr.CONFIGS.get((op.split("_")[0], 0, c, k, h, w)), "configs": []}
         res["ops"][op] = entry
         ref = cudnn_fn()
         if device == "cuda":
             entry["cudnn_us"] = time_graph(cudnn_fn, rep_ms)
-        for cfg in candidate_configs(c, k, h, w, op, tiny):
+            if op in unfused and plain[op.split("_")[0]] is not None:
+                entry["unfused_rows_us"] = time_graph(unfused[op], rep_ms)
+        for cfg in candidate_configs(c, k, h, w, op.split("_")[0], tiny):
             row: dict[str, Any] = {"config": cfg}
             try:
                 t1 = time.perf_counter()
@@ -153,7 +183,7 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'shape':<22} {'op':<6} {'bound':>6} {'cuDNN':>7} {'best':>7} {'table':>7} {'cuDNN/best':>10} "
+    print(f"\n{'shape':<22} {'op':<8} {'bound':>6} {'cuDNN':>7} {'best':>7} {'table':>7} {'cuDNN/best':>10} "
           f"{'of bound':>8}  best config")
     for r in results:
         s = r["shape"]
@@ -165,7 +195,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
             fmt = lambda v: f"{v:7.1f}" if v else "      -"  # noqa: E731
             ratio = f"{cu / bu:10.2f}" if cu and bu else "         -"
             frac = f"{r['bound_us'] / bu:8.0%}" if bu else "       -"
-            print(f"{label:<22} {op:<6} {r['bound_us']:6.1f} {fmt(cu)} {fmt(bu)} {fmt(table)} {ratio} {frac}  "
+            print(f"{label:<22} {op:<8} {r['bound_us']:6.1f} {fmt(cu)} {fmt(bu)} {fmt(table)} {ratio} {frac}  "
                   f"{best.get('config', '')}")
 
 

@@ -81,6 +81,26 @@ def test_forward_input_and_weight_gradients_match_pytorch(n, c, k, h, w, config)
     torch.testing.assert_close(dw, ew, **TOL)
 
 
+@pytest.mark.parametrize("segments", [1, 2])
+def test_batch_norm_relu_prologue_per_segment(segments):
+    """conv(relu(x * scale + shift)) with each segment of the batch its own scale and shift (the stacked
+    student call's batches), forward and weight gradient; padding stays zero after the prologue."""
+    n, c, k, h, w = 4, 16, 32, 8, 8
+    x, wt, dy = _inputs(n, c, k, h, w, seed=5)
+    g = torch.Generator().manual_seed(6)
+    scale = 1.0 + 0.5 * torch.randn(segments, c, generator=g)
+    shift = 0.5 * torch.randn(segments, c, generator=g) + 0.3   # relu(shift) > 0: a padded tap would show
+    per_image = n // segments
+    a = torch.relu(x * scale.repeat_interleave(per_image, 0)[:, :, None, None]
+                   + shift.repeat_interleave(per_image, 0)[:, :, None, None])
+    args = (scale, shift) if segments > 1 else (scale[0], shift[0])
+    cfg = {"BM": 16, "SEGS": 2}
+    y = cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype), *args, config=cfg)
+    torch.testing.assert_close(y, F.conv2d(a, wt, padding=1), **TOL)
+    dw = cr.conv3x3_rows_wgrad(dy, x, *args, config=cfg)
+    torch.testing.assert_close(dw, _reference_backward(dy, a, wt)[1], **TOL)
+
+
 def test_default_configs_and_the_table_configs_run():
     x, wt, dy = _inputs(2, 32, 32, 8, 8)
     torch.testing.assert_close(cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype)), F.conv2d(x, wt, padding=1),
@@ -136,6 +156,10 @@ def test_table_lookup_prefers_the_batch_then_any_batch(monkeypatch):
                                                                                         torch.float32)),
      "power-of-two width"),
     (lambda x, wq, dy: cr.pack_weight(torch.randn(8, 4, 1, 1), torch.float32), "only 3x3 kernels"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, torch.ones(16)), "scale and shift go together"),
+    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, torch.ones(8), torch.ones(8)), r"\(C,\) or \(S, C\) with C = 16"),
+    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(dy, x, torch.ones(2, 16), torch.ones(2, 16), config={"BM": 16}),
+     "segments of the 2 images must each hold a whole number"),
 ])
 def test_bad_input_gets_one_clear_message(call, match):
     x, wt, dy = _inputs(2, 16, 32, 8, 8)

@@ -67,25 +67,48 @@ def _wide_ok(i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constex
 
 
 @triton.jit
-def _wide_tile(ptr, base, i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+def _prologue(a, ok, sc, sh, PROLOGUE: tl.constexpr):
+    """relu(a * scale + shift) per channel, computed in float32 and rounded back, zero where ``ok`` is
+    false (the zero padding applies after it); ``a`` unchanged without the prologue."""
+    if PROLOGUE:
+        af = tl.maximum(a.to(tl.float32) * sc + sh, 0.0)
+        a = tl.where(ok, af, 0.0).to(a.dtype)
+    return a
+
+
+@triton.jit
+def _wide_tile(ptr, base, i, col, img_ok, j, sc, sh, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr,
+               PROLOGUE: tl.constexpr):
     """Row i of each image as a [pixels, 4CH] tile: column j is channel j % CH of the pixel
-    j // CH - 1 places to the right; zero outside the image and in the fourth pixel's columns."""
+    j // CH - 1 places to the right; zero outside the image and in the fourth pixel's columns.
+    With the prologue, relu(x * sc + sh) (sc, sh: per column)."""
     ok = _wide_ok(i, col, img_ok, j, H, W, CH)
-    return tl.load(ptr + (base + i * W - 1)[:, None] * CH + j[None, :], mask=ok, other=0.0)
+    a = tl.load(ptr + (base + i * W - 1)[:, None] * CH + j[None, :], mask=ok, other=0.0)
+    return _prologue(a, ok, sc[None, :], sh[None, :], PROLOGUE)
 
 
 @triton.jit
-def _wide_tile_t(ptr, base, i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+def _wide_tile_t(ptr, base, i, col, img_ok, j, sc, sh, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr,
+                 PROLOGUE: tl.constexpr):
     """The [4CH, pixels] transpose of ``_wide_tile``, loaded as such."""
-    ok = _wide_ok(i, col, img_ok, j, H, W, CH)
-    return tl.load(ptr + tl.trans((base + i * W - 1)[:, None] * CH + j[None, :]), mask=tl.trans(ok),
-                   other=0.0)
+    ok = tl.trans(_wide_ok(i, col, img_ok, j, H, W, CH))
+    a = tl.load(ptr + tl.trans((base + i * W - 1)[:, None] * CH + j[None, :]), mask=ok, other=0.0)
+    return _prologue(a, ok, sc[:, None], sh[:, None], PROLOGUE)
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, y_ptr, N,
+def _affine(scale_ptr, shift_ptr, n0, SEG, j, C: tl.constexpr, PROLOGUE: tl.constexpr):
+    """The prologue's per-column scale and shift for the program's images (all in segment n0 // SEG)."""
+    if PROLOGUE:
+        at = (n0 // SEG) * C + j % C
+        return tl.load(scale_ptr + at), tl.load(shift_ptr + at)
+    return tl.full(j.shape, 0.0, tl.float32), tl.full(j.shape, 0.0, tl.float32)
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
                 H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
     """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1])[:, :] @ w[r, :, k] for IMGS
     images, a band of ROWS output rows and BLOCK_N output channels; w is [3, 4C, K]."""
     pid = tl.program_id(0)
@@ -104,6 +127,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, N,
     base = img * (H * W) + col        # pixel index of (img, row 0, col)
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, JC)
+    sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
     wr = w_ptr + j[:, None] * K + offs_n[None, :]
     w_lo = tl.load(wr)                # kernel row 0: the row loaded feeds output row i + 1
     w_mid = tl.load(wr + JC * K)      # kernel row 1: output row i
@@ -112,7 +136,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, N,
     acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     for t in range(ROWS + 2):
         i = r0 - 1 + t                # the input row of this step
-        a = _wide_tile(x_ptr, base, i, col, img_ok, j, H, W, C)
+        a = _wide_tile(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, PROLOGUE)
         acc_lo = tl.dot(a, w_lo)
         acc_mid = tl.dot(a, w_mid, acc_mid)
         acc_hi = tl.dot(a, w_hi, acc_hi)
@@ -124,9 +148,9 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, N,
 
 
 @triton.jit
-def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, N,
+def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SEG,
                   H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                  IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
     """part[program, k, 3r + s, c]: this program's share of the weight gradient
     sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c]."""
     pid = tl.program_id(0)
@@ -145,6 +169,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, N,
     base = img * (H * W) + col
     offs_k = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, JC)
+    sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
     d_prev = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)   # dy row i - 1 (zero outside the band)
     d_cur = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)    # dy row i
     g_lo = tl.full((JC, BLOCK_N), 0.0, tl.float32)     # kernel row 0
@@ -156,7 +181,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, N,
         d_ok = img_ok & (o >= r0) & (o < r0 + ROWS)
         d_next = tl.load(dy_ptr + (base + o * W)[:, None] * K + offs_k[None, :],
                          mask=d_ok[:, None], other=0.0)
-        at = _wide_tile_t(x_ptr, base, i, col, img_ok, j, H, W, C)
+        at = _wide_tile_t(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, PROLOGUE)
         g_lo = tl.dot(at, d_next, g_lo)
         g_mid = tl.dot(at, d_cur, g_mid)
         g_hi = tl.dot(at, d_prev, g_hi)
@@ -287,11 +312,35 @@ def pack_weight(w: torch.Tensor, dtype: torch.dtype, *, for_dgrad: bool = False)
     return out.view(3, 4 * c_in, c_out)
 
 
-def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
-    """conv2d(x, w, stride 1, padding 1, no bias) with ``wq = pack_weight(w, x.dtype)``; with
-    ``pack_weight(w, dtype, for_dgrad=True)`` and dy for x this is the input gradient. x: (N, C, H, W)
-    channels_last. Returns (N, K, H, W) channels_last in x's dtype. ``config`` overrides the
-    default tile configuration (see ``CONFIGS``)."""
+def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, imgs: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(scale, shift as contiguous float32 (S, C), images per segment), or None without a prologue."""
+    if scale is None and shift is None:
+        return None
+    if scale is None or shift is None:
+        raise ValueError("scale and shift go together: pass both (the prologue) or neither")
+    if not isinstance(scale, torch.Tensor) or not isinstance(shift, torch.Tensor) or scale.shape != shift.shape \
+            or scale.dim() not in (1, 2) or scale.shape[-1] != c:
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (scale, shift)]
+        raise ValueError(f"scale and shift must both be (C,) or (S, C) with C = {c}, got {shapes[0]} and {shapes[1]}")
+    if scale.device != device or shift.device != device:
+        raise ValueError(f"scale and shift must be on {device}, got {scale.device} and {shift.device}")
+    segments = 1 if scale.dim() == 1 else scale.shape[0]
+    if segments < 1 or n % segments or (segments > 1 and (n // segments) % imgs):
+        raise ValueError(f"{segments} segments of the {n} images must each hold a whole number of the "
+                         f"config's {imgs}-image tiles")
+    as_rows = [t.reshape(segments, c).to(torch.float32).contiguous() for t in (scale, shift)]
+    return as_rows[0], as_rows[1], n // segments
+
+
+def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor | None = None,
+                     shift: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
+    """conv2d(a, w, stride 1, padding 1, no bias) with ``wq = pack_weight(w, x.dtype)`` and a = x, or
+    a = relu(x * scale + shift) per channel (the "prologue": computed in float32 while loading, rounded
+    to x's dtype, zero padding after it; scale and shift (C,), or (S, C) for S equal segments of the
+    batch, each with its own). With ``pack_weight(w, dtype, for_dgrad=True)`` and dy for x this is the
+    input gradient. x: (N, C, H, W) channels_last. Returns (N, K, H, W) channels_last in x's dtype.
+    ``config`` overrides the default tile configuration (see ``CONFIGS``)."""
     _check_activation("x", x)
     n, c, h, w = x.shape
     if not isinstance(wq, torch.Tensor) or wq.dim() != 3 or tuple(wq.shape[:2]) != (3, 4 * c) \
@@ -305,19 +354,23 @@ def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, *, config: dict | None =
     k = wq.shape[2]
     _check_channels(c, k)
     imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, w, k)
+    affine = _check_affine(scale, shift, n, c, imgs, x.device)
     if n * k * h * w >= _INT32_LIMIT:
         raise ValueError(f"the output would have {n * k * h * w} elements; int32 indexing allows fewer than 2**31")
     y = torch.empty((n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
-    _LAST_KERNEL["fwd"] = _fwd_kernel[grid](x, wq, y, n, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows,
-                                            BLOCK_N=bn, **launch)
+    sc, sh, seg = affine if affine is not None else (y, y, n)   # unread without the prologue
+    _LAST_KERNEL["fwd"] = _fwd_kernel[grid](x, wq, y, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows,
+                                            BLOCK_N=bn, PROLOGUE=affine is not None, **launch)
     return y
 
 
-def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
-    """The weight gradient dw (K, C, 3, 3), float32, of y = conv2d(x, w, padding=1) given dy; both
-    (N, ·, H, W) channels_last. dw is in channels_last memory format (K, 3, 3, C in memory).
-    Deterministic: per-program partial sums, added by one reduction."""
+def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None = None,
+                       shift: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
+    """The weight gradient dw (K, C, 3, 3), float32, of y = conv2d(a, w, padding=1) given dy, with a = x
+    or relu(x * scale + shift) as in ``conv3x3_rows_fwd``; dy and x (N, ·, H, W) channels_last. dw is in
+    channels_last memory format (K, 3, 3, C in memory). Deterministic: per-program partial sums, added
+    by one reduction."""
     _check_activation("dy", dy)
     _check_activation("x", x)
     if dy.device != x.device or dy.dtype != x.dtype:
@@ -330,11 +383,13 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, *, config: dict | None
     k = dy.shape[1]
     _check_channels(c, k)
     imgs, rows, bn, launch = _resolve(config, DEFAULT_WGRAD, h, w, k)
+    affine = _check_affine(scale, shift, n, c, imgs, x.device)
     programs = triton.cdiv(n, imgs) * (h // rows)
     part = torch.empty((programs, k, 9, c), dtype=torch.float32, device=x.device)
     grid = (programs * (k // bn),)
-    _LAST_KERNEL["wgrad"] = _wgrad_kernel[grid](dy, x, part, n, H=h, W=w, C=c, K=k, IMGS=imgs,
-                                                ROWS=rows, BLOCK_N=bn, **launch)
+    sc, sh, seg = affine if affine is not None else (part, part, n)   # unread without the prologue
+    _LAST_KERNEL["wgrad"] = _wgrad_kernel[grid](dy, x, part, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs,
+                                                ROWS=rows, BLOCK_N=bn, PROLOGUE=affine is not None, **launch)
     return part.sum(dim=0).view(k, 3, 3, c).permute(0, 3, 1, 2)
 
 
