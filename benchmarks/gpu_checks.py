@@ -102,7 +102,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
             per_step.append(r.read_metrics())
             per_step[-1]["rng_offset"] = int(gen.get_state()[8:16].view(torch.int64).item())
             r.reset_metrics()
-            per_state.append({**{f"student.{k}": v.float().clone() for k, v in student.state_dict().items()},
+            per_state.append({**{f"student.{k}": v.float().clone() for k, v in r.student.state_dict().items()},
                               **{f"teacher.{k}": v.float().clone() for k, v in r.teacher.state_dict().items()}})
         losses.append(per_step)
         states.append(per_state)

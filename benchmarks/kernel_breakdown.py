@@ -121,7 +121,11 @@ def kernel_classes(events, steps):
             continue
         n = e.key
         lo = n.lower()
-        if lo.startswith("triton"):   # first: Inductor names kernels after the ops they fuse ("convolution_backward")
+        if lo.startswith("_conv_rows_fwd"):   # ours (trainables/conv_rows.py): forward and input gradient
+            c = "conv fprop+dgrad (ours)"
+        elif lo.startswith("_conv_rows_wgrad"):
+            c = "conv wgrad (ours)"
+        elif lo.startswith("triton"):   # Inductor names kernels after the ops they fuse ("convolution_backward")
             c = "triton"
         elif "wgrad" in lo:
             c = "conv wgrad"

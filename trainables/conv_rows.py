@@ -106,7 +106,7 @@ def _affine(scale_ptr, shift_ptr, n0, SEG, j, C: tl.constexpr, PROLOGUE: tl.cons
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
+def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
                 H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                 IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
     """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1])[:, :] @ w[r, :, k] for IMGS
@@ -148,7 +148,7 @@ def _fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
 
 
 @triton.jit
-def _wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SEG,
+def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SEG,
                   H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                   IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
     """part[program, k, 3r + s, c]: this program's share of the weight gradient
@@ -360,8 +360,9 @@ def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor | No
     y = torch.empty((n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
     sc, sh, seg = affine if affine is not None else (y, y, n)   # unread without the prologue
-    _LAST_KERNEL["fwd"] = _fwd_kernel[grid](x, wq, y, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows,
-                                            BLOCK_N=bn, PROLOGUE=affine is not None, **launch)
+    _LAST_KERNEL["fwd"] = _conv_rows_fwd_kernel[grid](
+        x, wq, y, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        PROLOGUE=affine is not None, **launch)
     return y
 
 
@@ -388,8 +389,9 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | 
     part = torch.empty((programs, k, 9, c), dtype=torch.float32, device=x.device)
     grid = (programs * (k // bn),)
     sc, sh, seg = affine if affine is not None else (part, part, n)   # unread without the prologue
-    _LAST_KERNEL["wgrad"] = _wgrad_kernel[grid](dy, x, part, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs,
-                                                ROWS=rows, BLOCK_N=bn, PROLOGUE=affine is not None, **launch)
+    _LAST_KERNEL["wgrad"] = _conv_rows_wgrad_kernel[grid](
+        dy, x, part, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        PROLOGUE=affine is not None, **launch)
     return part.sum(dim=0).view(k, 3, 3, c).permute(0, 3, 1, 2)
 
 
