@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fprop, dgrad, wgrad, and fprop_bn, wgrad_bn: with the batch-norm + ReLU prologue")
     p.add_argument("--teacher-ops", default="fprop", help="ops timed at N=256 (the teacher only runs forward)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench rep time per measurement")
+    p.add_argument("--table-only", action="store_true",
+                   help="time only the configuration the trainer's table holds for each op and shape")
     return p.parse_args(argv)
 
 
@@ -95,7 +97,8 @@ def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> li
     return out
 
 
-def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, rep_ms: float) -> dict[str, Any]:
+def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, rep_ms: float,
+              table_only: bool = False) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     import trainables.conv_rows as cr
@@ -107,7 +110,7 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
     dy = torch.randn(n, k, h, w, device=device, generator=g).to(dtype).contiguous(memory_format=cl)
     wt = (torch.randn(k, c, 3, 3, device=device, generator=g) / math.sqrt(9 * c)).to(dtype)
     wt = wt.contiguous(memory_format=cl)   # as a channels_last model holds it
-    wq, wqd = cr.pack_weight(wt, dtype), cr.pack_weight(wt, dtype, for_dgrad=True)
+    wf = wt.float().contiguous(memory_format=cl)   # the kernels read a model's float32 weight and cast it
 
     def bwd(mask):
         return torch.ops.aten.convolution_backward(dy, x, wt, None, [1, 1], [1, 1], [1, 1], False,
@@ -132,19 +135,19 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
                                                    [False, True, False])[1]
 
     plans = {   # op: (cuDNN, row kernel with a config, the kernel_info name)
-        "fprop": (lambda: F.conv2d(x, wt, padding=1), lambda cfg: cr.conv3x3_rows_fwd(x, wq, config=cfg), "fwd"),
-        "dgrad": (lambda: bwd([True, False, False])[0], lambda cfg: cr.conv3x3_rows_fwd(dy, wqd, config=cfg),
+        "fprop": (lambda: F.conv2d(x, wt, padding=1), lambda cfg: cr.conv3x3_rows_fwd(x, wf, config=cfg), "fwd"),
+        "dgrad": (lambda: bwd([True, False, False])[0], lambda cfg: cr.conv3x3_rows_dgrad(dy, wf, config=cfg),
                   "fwd"),
         "wgrad": (lambda: bwd([False, True, False])[1], lambda cfg: cr.conv3x3_rows_wgrad(dy, x, config=cfg),
                   "wgrad"),
         # with the prologue; the baseline: the compiled batch-norm + ReLU pass, then cuDNN
         "fprop_bn": (lambda: F.conv2d(bn_relu_c(x), wt, padding=1),
-                     lambda cfg: cr.conv3x3_rows_fwd(x, wq, scale, shift, config=cfg), "fwd"),
+                     lambda cfg: cr.conv3x3_rows_fwd(x, wf, scale, shift, config=cfg), "fwd"),
         "wgrad_bn": (lambda: cudnn_wgrad(bn_relu_c(x)),
                      lambda cfg: cr.conv3x3_rows_wgrad(dy, x, scale, shift, config=cfg), "wgrad"),
     }
     unfused = {   # the pass, then our plain kernel with the table's configuration
-        "fprop_bn": lambda: cr.conv3x3_rows_fwd(bn_relu_c(x), wq, config=plain["fprop"]),
+        "fprop_bn": lambda: cr.conv3x3_rows_fwd(bn_relu_c(x), wf, config=plain["fprop"]),
         "wgrad_bn": lambda: cr.conv3x3_rows_wgrad(dy, bn_relu_c(x), config=plain["wgrad"]),
     }
     nbytes = (x.numel() + dy.numel()) * x.element_size()
@@ -159,7 +162,8 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
             entry["cudnn_us"] = time_graph(cudnn_fn, rep_ms)
             if op in unfused and plain[op.split("_")[0]] is not None:
                 entry["unfused_rows_us"] = time_graph(unfused[op], rep_ms)
-        for cfg in candidate_configs(c, k, h, w, op.split("_")[0], tiny):
+        table = cr.CONFIGS.get((op.split("_")[0], n, c, k, h, w)) or entry["table"]
+        for cfg in ([table] if table else []) if table_only else candidate_configs(c, k, h, w, op.split("_")[0], tiny):
             row: dict[str, Any] = {"config": cfg}
             try:
                 t1 = time.perf_counter()
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         ops = args.ops.split(",") if shape[0] >= 512 or args.tiny else args.teacher_ops.split(",")
         try:
-            r = run_shape(shape, args.device, dtype, peak_bw, ops, args.tiny, args.rep_ms)
+            r = run_shape(shape, args.device, dtype, peak_bw, ops, args.tiny, args.rep_ms, args.table_only)
         except Exception as e:
             r = {"shape": dict(zip("NCKHW", shape)), "error": f"{type(e).__name__}: {e}",
                  "traceback": traceback.format_exc(limit=6)[-3000:]}

@@ -68,12 +68,12 @@ CASES = [
 @pytest.mark.parametrize("n,c,k,h,w,config", CASES)
 def test_forward_input_and_weight_gradients_match_pytorch(n, c, k, h, w, config):
     x, wt, dy = _inputs(n, c, k, h, w)
-    y = cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype), config=config)
+    y = cr.conv3x3_rows_fwd(x, wt, config=config)
     assert y.shape == (n, k, h, w) and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, F.conv2d(x, wt, padding=1), **TOL)
     ex, ew = _reference_backward(dy, x, wt)
     if cr.supports(dy.shape, c):   # the input gradient: the forward kernel on dy (K channels in, C out)
-        dx = cr.conv3x3_rows_fwd(dy, cr.pack_weight(wt, dy.dtype, for_dgrad=True), config=config)
+        dx = cr.conv3x3_rows_dgrad(dy, wt, config=config)
         torch.testing.assert_close(dx, ex, **TOL)
     dw = cr.conv3x3_rows_wgrad(dy, x, config=config)
     assert dw.dtype == torch.float32 and dw.shape == (k, c, 3, 3)
@@ -95,7 +95,7 @@ def test_batch_norm_relu_prologue_per_segment(segments):
                    + shift.repeat_interleave(per_image, 0)[:, :, None, None])
     args = (scale, shift) if segments > 1 else (scale[0], shift[0])
     cfg = {"BM": 16, "SEGS": 2}
-    y = cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype), *args, config=cfg)
+    y = cr.conv3x3_rows_fwd(x, wt, *args, config=cfg)
     torch.testing.assert_close(y, F.conv2d(a, wt, padding=1), **TOL)
     dw = cr.conv3x3_rows_wgrad(dy, x, *args, config=cfg)
     torch.testing.assert_close(dw, _reference_backward(dy, a, wt)[1], **TOL)
@@ -103,8 +103,7 @@ def test_batch_norm_relu_prologue_per_segment(segments):
 
 def test_default_configs_and_the_table_configs_run():
     x, wt, dy = _inputs(2, 32, 32, 8, 8)
-    torch.testing.assert_close(cr.conv3x3_rows_fwd(x, cr.pack_weight(wt, x.dtype)), F.conv2d(x, wt, padding=1),
-                               **TOL)
+    torch.testing.assert_close(cr.conv3x3_rows_fwd(x, wt), F.conv2d(x, wt, padding=1), **TOL)
     torch.testing.assert_close(cr.conv3x3_rows_wgrad(dy, x), _reference_backward(dy, x, wt)[1], **TOL)
     for (op, n, c, k, h, w), cfg in cr.CONFIGS.items():   # every table entry fits its own shape
         assert cr.supports((n or 2, c, h, w), k, cfg), (op, c, k, h, w, cfg)
@@ -117,16 +116,21 @@ def test_weight_gradient_is_deterministic():
     assert torch.equal(a, b)
 
 
-def test_packed_weight_layout():
-    wt = torch.arange(2 * 4 * 9, dtype=torch.float32).view(2, 4, 3, 3)
-    wq = cr.pack_weight(wt, torch.float32)
-    assert wq.shape == (3, 16, 2) and wq.is_contiguous()
-    for r in range(3):
-        for s in range(3):
-            assert torch.equal(wq[r, s * 4:(s + 1) * 4], wt[:, :, r, s].T)
-    assert not wq[:, 12:].any()   # the fourth pixel's rows are zero
-    wd = cr.pack_weight(wt, torch.float32, for_dgrad=True)   # flipped, channels swapped: [3, 4K, C]
-    assert wd.shape == (3, 8, 4) and torch.equal(wd[0, :2], wt[:, :, 2, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_weight_read_in_its_own_layout_and_dtype(layout):
+    """The kernels read the (K, C, 3, 3) weight through its strides and cast it as they load: a model's
+    float32 channels_last parameter, a plain one, and a non-contiguous view all give the same result."""
+    x, wt, dy = _inputs(2, 16, 32, 8, 8, seed=7)
+    w = {"contiguous": wt, "channels_last": _cl(wt),
+         "transposed": wt.transpose(0, 1).contiguous().transpose(0, 1)}[layout]
+    cfg = {"BM": 16, "SEGS": 2}
+    torch.testing.assert_close(cr.conv3x3_rows_fwd(x, w, config=cfg), F.conv2d(x, wt, padding=1), **TOL)
+    dx = cr.conv3x3_rows_dgrad(dy, w, config=cfg)
+    torch.testing.assert_close(dx, _reference_backward(dy, x, wt)[0], **TOL)
+    half = cr.conv3x3_rows_fwd(x.half(), w, config=cfg)   # the weight is cast to the input's dtype
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), F.conv2d(x.half().float(), wt.half().float(), padding=1),
+                               rtol=1e-2, atol=1e-2)
 
 
 def test_table_lookup_prefers_the_batch_then_any_batch(monkeypatch):
@@ -139,32 +143,31 @@ def test_table_lookup_prefers_the_batch_then_any_batch(monkeypatch):
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x.contiguous(), wq), "channels_last"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x.to(torch.float64), wq), "dtype torch.float64"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq[:, :8]), r"shape \(3, 64, K\)"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq.half()), "match x's dtype"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 8}), "BM=8 must be a power of two >= 16"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "SEGS": 3}), "SEGS=3 must divide H=8"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "BN": 48}), "BN=48"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, config={"BM": 16, "TAPS": 3}), "unknown config keys"),
-    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(_cl(dy[:, :, :4]), x), "must share N, H and W"),
-    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(dy.half(), x), "share device and dtype"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 24, 8, 8)), cr.pack_weight(torch.randn(32, 24, 3, 3),
-                                                                                         torch.float32)),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x.contiguous(), wt), "channels_last"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x.to(torch.float64), wt), "dtype torch.float64"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt[:, :8]), "w has 8 input channels but x has 16"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt.double()), "w has dtype torch.float64"),
+    (lambda x, wt, dy: cr.conv3x3_rows_dgrad(dy, wt[:16]), "w has 16 output channels but dy has 32"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, config={"BM": 8}), "BM=8 must be a power of two >= 16"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, config={"BM": 16, "SEGS": 3}), "SEGS=3 must divide H=8"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, config={"BM": 16, "BN": 48}), "BN=48"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, config={"BM": 16, "TAPS": 3}), "unknown config keys"),
+    (lambda x, wt, dy: cr.conv3x3_rows_wgrad(_cl(dy[:, :, :4]), x), "must share N, H and W"),
+    (lambda x, wt, dy: cr.conv3x3_rows_wgrad(dy.half(), x), "share device and dtype"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 24, 8, 8)), torch.randn(32, 24, 3, 3)),
      "power-of-two number of input channels"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 16, 6, 6)), cr.pack_weight(torch.randn(32, 16, 3, 3),
-                                                                                        torch.float32)),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 16, 6, 6)), torch.randn(32, 16, 3, 3)),
      "power-of-two width"),
-    (lambda x, wq, dy: cr.pack_weight(torch.randn(8, 4, 1, 1), torch.float32), "only 3x3 kernels"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, torch.ones(16)), "scale and shift go together"),
-    (lambda x, wq, dy: cr.conv3x3_rows_fwd(x, wq, torch.ones(8), torch.ones(8)), r"\(C,\) or \(S, C\) with C = 16"),
-    (lambda x, wq, dy: cr.conv3x3_rows_wgrad(dy, x, torch.ones(2, 16), torch.ones(2, 16), config={"BM": 16}),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, torch.randn(32, 16, 1, 1)), "only 3x3 kernels"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, torch.ones(16)), "scale and shift go together"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, wt, torch.ones(8), torch.ones(8)), r"\(C,\) or \(S, C\) with C = 16"),
+    (lambda x, wt, dy: cr.conv3x3_rows_wgrad(dy, x, torch.ones(2, 16), torch.ones(2, 16), config={"BM": 16}),
      "segments of the 2 images must each hold a whole number"),
 ])
 def test_bad_input_gets_one_clear_message(call, match):
     x, wt, dy = _inputs(2, 16, 32, 8, 8)
     with pytest.raises(ValueError, match=match):
-        call(x, cr.pack_weight(wt, x.dtype), dy)
+        call(x, wt, dy)
 
 
 def test_supports_says_beforehand():

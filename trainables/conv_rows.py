@@ -10,14 +10,15 @@ memory, bounds it. The kernels here read each input row about once:
 - The three horizontal taps of a pixel are its left neighbour, itself and its right neighbour,
   whose channels lie next to each other in NHWC memory. So the A tile is [pixels, 4C]: column j
   holds channel j % C of the pixel j // C - 1 places to the right, one contiguous span per pixel
-  (the fourth pixel is multiplied by zero rows of the packed weight; 4C keeps the tile a power of
-  two). One product per kernel row replaces three per tap.
+  (the fourth pixel meets zero rows of the weight operand; 4C keeps the tile a power of two). One
+  product per kernel row replaces three per tap. The weight is read in its own layout and dtype by
+  each program (no packing pass).
 - The three vertical taps need no reload: the row just loaded feeds three float32 accumulators,
   those of the output rows below, at and above it, which rotate as the program moves down.
 
-    y = conv3x3_rows_fwd(x, pack_weight(w, x.dtype))                       # F.conv2d(x, w, padding=1)
-    dx = conv3x3_rows_fwd(dy, pack_weight(w, dy.dtype, for_dgrad=True))    # input gradient
-    dw = conv3x3_rows_wgrad(dy, x)                                         # weight gradient, float32
+    y = conv3x3_rows_fwd(x, w)          # F.conv2d(x, w, padding=1)
+    dx = conv3x3_rows_dgrad(dy, w)      # input gradient
+    dw = conv3x3_rows_wgrad(dy, x)      # weight gradient, float32
 
 The input gradient of a stride-1 pad-1 convolution is the same convolution of dy with the flipped,
 channel-swapped weight. The weight gradient walks the rows the same way: each input row meets the
@@ -107,10 +108,14 @@ def _affine(scale_ptr, shift_ptr, n0, SEG, j, C: tl.constexpr, PROLOGUE: tl.cons
 
 @triton.jit
 def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
-                H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
-    """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1])[:, :] @ w[r, :, k] for IMGS
-    images, a band of ROWS output rows and BLOCK_N output channels; w is [3, 4C, K]."""
+                          W_OFF, W_SR, W_SS, W_SC, W_SK,
+                          H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                          IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PROLOGUE: tl.constexpr):
+    """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1]) @ B_r[:, k] for IMGS images, a band
+    of ROWS output rows and BLOCK_N output channels. B_r[s * C + c, k] (s < 3) is the weight element
+    at w_ptr + W_OFF + r * W_SR + s * W_SS + c * W_SC + k * W_SK, read and cast here (the weight's
+    own layout and dtype: no packing pass); rows 3C..4C-1 are zero."""
     pid = tl.program_id(0)
     NUM_NT: tl.constexpr = K // BLOCK_N
     SEGS: tl.constexpr = H // ROWS
@@ -128,10 +133,12 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, JC)
     sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
-    wr = w_ptr + j[:, None] * K + offs_n[None, :]
-    w_lo = tl.load(wr)                # kernel row 0: the row loaded feeds output row i + 1
-    w_mid = tl.load(wr + JC * K)      # kernel row 1: output row i
-    w_hi = tl.load(wr + 2 * JC * K)   # kernel row 2: output row i - 1
+    wr = w_ptr + W_OFF + ((j // C) * W_SS + (j % C) * W_SC)[:, None] + offs_n[None, :] * W_SK
+    w_ok = (j < 3 * C)[:, None]
+    dt = x_ptr.dtype.element_ty
+    w_lo = tl.load(wr, mask=w_ok, other=0.0).to(dt)                # kernel row 0: feeds output row i + 1
+    w_mid = tl.load(wr + W_SR, mask=w_ok, other=0.0).to(dt)        # kernel row 1: output row i
+    w_hi = tl.load(wr + 2 * W_SR, mask=w_ok, other=0.0).to(dt)     # kernel row 2: output row i - 1
     acc_hi = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     for t in range(ROWS + 2):
@@ -296,22 +303,6 @@ def _check_channels(c: int, k: int) -> None:
         raise ValueError(f"the row kernels need a multiple of 16 output channels, got {k}")
 
 
-def pack_weight(w: torch.Tensor, dtype: torch.dtype, *, for_dgrad: bool = False) -> torch.Tensor:
-    """The (K, C, 3, 3) weight as the kernels read it: a contiguous [3, 4C, K] tensor of ``dtype``,
-    row s * C + c of kernel row r holding tap (r, s) of input channel c, rows 3C..4C-1 zero.
-    ``for_dgrad`` packs the spatially flipped weight with input and output channels swapped
-    ([3, 4K, C]): the input gradient is the convolution of dy with it."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
-        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-        raise ValueError(f"only 3x3 kernels are supported: w must have shape (K, C, 3, 3), got {shape}")
-    if for_dgrad:
-        w = w.flip(2, 3).transpose(0, 1)
-    c_out, c_in = w.shape[0], w.shape[1]
-    out = torch.zeros((3, 4, c_in, c_out), dtype=dtype, device=w.device)
-    out[:, :3] = w.permute(2, 3, 1, 0).to(dtype)          # [r, s, c, k]
-    return out.view(3, 4 * c_in, c_out)
-
-
 def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, imgs: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(scale, shift as contiguous float32 (S, C), images per segment), or None without a prologue."""
@@ -333,37 +324,60 @@ def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int
     return as_rows[0], as_rows[1], n // segments
 
 
-def conv3x3_rows_fwd(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor | None = None,
-                     shift: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
-    """conv2d(a, w, stride 1, padding 1, no bias) with ``wq = pack_weight(w, x.dtype)`` and a = x, or
-    a = relu(x * scale + shift) per channel (the "prologue": computed in float32 while loading, rounded
-    to x's dtype, zero padding after it; scale and shift (C,), or (S, C) for S equal segments of the
-    batch, each with its own). With ``pack_weight(w, dtype, for_dgrad=True)`` and dy for x this is the
-    input gradient. x: (N, C, H, W) channels_last. Returns (N, K, H, W) channels_last in x's dtype.
-    ``config`` overrides the default tile configuration (see ``CONFIGS``)."""
-    _check_activation("x", x)
-    n, c, h, w = x.shape
-    if not isinstance(wq, torch.Tensor) or wq.dim() != 3 or tuple(wq.shape[:2]) != (3, 4 * c) \
-            or not wq.is_contiguous():
-        shape = tuple(wq.shape) if isinstance(wq, torch.Tensor) else type(wq).__name__
-        raise ValueError(f"wq must be a contiguous packed weight of shape (3, {4 * c}, K) from "
-                         f"pack_weight, got {shape}")
-    if wq.dtype != x.dtype or wq.device != x.device:
-        raise ValueError(f"wq must match x's dtype and device ({x.dtype}, {x.device}), "
-                         f"got ({wq.dtype}, {wq.device})")
-    k = wq.shape[2]
+def _check_weight(w: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or tuple(w.shape[2:]) != (3, 3):
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"only 3x3 kernels are supported: w must have shape (K, C, 3, 3), got {shape}")
+    if w.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"w has dtype {w.dtype}; supported: float16, bfloat16, float32")
+    if w.device != device:
+        raise ValueError(f"w is on {w.device} but the activation is on {device}")
+
+
+def _launch_fwd(x: torch.Tensor, w: torch.Tensor, k: int, w_args: tuple[int, ...],
+                affine_in: tuple[torch.Tensor | None, torch.Tensor | None], config: dict | None) -> torch.Tensor:
+    n, c, h, wd = x.shape
     _check_channels(c, k)
-    imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, w, k)
-    affine = _check_affine(scale, shift, n, c, imgs, x.device)
-    if n * k * h * w >= _INT32_LIMIT:
-        raise ValueError(f"the output would have {n * k * h * w} elements; int32 indexing allows fewer than 2**31")
-    y = torch.empty((n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, wd, k)
+    affine = _check_affine(*affine_in, n, c, imgs, x.device)
+    if n * k * h * wd >= _INT32_LIMIT:
+        raise ValueError(f"the output would have {n * k * h * wd} elements; int32 indexing allows fewer than 2**31")
+    y = torch.empty((n, k, h, wd), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
     sc, sh, seg = affine if affine is not None else (y, y, n)   # unread without the prologue
     _LAST_KERNEL["fwd"] = _conv_rows_fwd_kernel[grid](
-        x, wq, y, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        x, w, y, sc, sh, n, seg, *w_args, H=h, W=wd, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
         PROLOGUE=affine is not None, **launch)
     return y
+
+
+def conv3x3_rows_fwd(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                     shift: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
+    """conv2d(a, w, stride 1, padding 1, no bias) with a = x, or a = relu(x * scale + shift) per channel
+    (the "prologue": computed in float32 while loading, rounded to x's dtype, zero padding after it;
+    scale and shift (C,), or (S, C) for S equal segments of the batch, each with its own). x: (N, C, H, W)
+    channels_last; w: (K, C, 3, 3) in any layout and float dtype, cast to x's dtype as the kernel reads
+    it. Returns (N, K, H, W) channels_last in x's dtype. ``config`` overrides the default tile
+    configuration (see ``CONFIGS``)."""
+    _check_activation("x", x)
+    _check_weight(w, x.device)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has {w.shape[1]} input channels but x has {x.shape[1]}")
+    sk, sc, sr, ss = w.stride()
+    return _launch_fwd(x, w, w.shape[0], (0, sr, ss, sc, sk), (scale, shift), config)
+
+
+def conv3x3_rows_dgrad(dy: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """The input gradient (N, C, H, W), channels_last in dy's dtype, of y = conv2d(x, w, stride 1,
+    padding 1) for dy (N, K, H, W) channels_last: the forward kernel on dy with the weight read
+    flipped and its channels swapped."""
+    _check_activation("dy", dy)
+    _check_weight(w, dy.device)
+    if w.shape[0] != dy.shape[1]:
+        raise ValueError(f"w has {w.shape[0]} output channels but dy has {dy.shape[1]}")
+    sk, sc, sr, ss = w.stride()
+    # B_r[s * K + k, c] = w[k, c, 2 - r, 2 - s]
+    return _launch_fwd(dy, w, w.shape[1], (2 * sr + 2 * ss, -sr, -ss, sk, sc), (None, None), config)
 
 
 def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None = None,

@@ -80,7 +80,7 @@ def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
     cfg = _rows_or_none("fprop", x.shape, c, k, x.device)
     if cfg is not None:
         try:
-            return conv_rows.conv3x3_rows_fwd(x, conv_rows.pack_weight(w, x.dtype), config=cfg)
+            return conv_rows.conv3x3_rows_fwd(x, w, config=cfg)
         except _resource_errors() as e:
             _fall_back("fprop", x.shape, c, k, e)
     return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=torch.channels_last)
@@ -112,7 +112,7 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Te
     cfg = _rows_or_none("dgrad", x.shape, c, k, x.device)
     if cfg is not None:
         try:
-            dx = conv_rows.conv3x3_rows_fwd(dy, conv_rows.pack_weight(w, dy.dtype, for_dgrad=True), config=cfg)
+            dx = conv_rows.conv3x3_rows_dgrad(dy, w, config=cfg)
         except _resource_errors() as e:
             _fall_back("dgrad", x.shape, c, k, e)
     cfg = _rows_or_none("wgrad", x.shape, c, k, x.device)
