@@ -30,9 +30,9 @@ Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): N
 (channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4; K a multiple of
 16; W a power of two; a tile of BM pixels (a power of two >= 16 and a multiple of W) and H divisible
 by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
-benchmarks/conv_rows_bench.py; README "Performance"): at N=512, 32 channels, 32x32, forward 42.4 us
-against cuDNN's 63.9, input gradient 41.8 (61.3), weight gradient 73.6 (112.6); at 64 channels,
-16x16, forward and input gradient 32.1-32.3 us (40.7-40.9).
+benchmarks/conv_rows_bench.py --table-only; README "Performance"): at N=512, 32 channels, 32x32,
+forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight gradient 68.8 (112.3); at
+64 channels, 16x16, forward 34.4 (40.6) and input gradient 33.5 (35.0).
 
 Numerics: float32 accumulation; float32 inputs use ``tl.dot``'s default input precision (TF32 on
 NVIDIA GPUs, exact in the interpreter). Indexing is int32: tensors of 2**31 elements or more are
@@ -216,7 +216,9 @@ DEFAULT_WGRAD = {"BM": 128, "SEGS": 1, "num_warps": 8, "num_stages": 1}
 # not listed run cuDNN. Chosen from benchmarks/conv_rows_bench.py sweeps on an H100 (sm90) and
 # used on GPUs of compute capability 9.x only (``tuned_config``).
 CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
-    # H100, 2026-11-27 (benchmarks/results/2026-11-27-h100-conv-rows-kernels.json), in us, ours / cuDNN:
+    # Chosen in a sweep on an H100, 2026-11-27, with the weight packed beforehand
+    # (benchmarks/results/2026-11-27-h100-conv-rows-kernels.json), in us, ours / cuDNN; reading the
+    # weight in the kernel adds 0-2.3 us (...-conv-rows-weight-in-kernel-table.json):
     ("fprop", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 42.4 / 68.2
     ("dgrad", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 42.7 / 62.1
     ("wgrad", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 2},   # 68.4 / 127.2
