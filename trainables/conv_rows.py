@@ -107,6 +107,26 @@ def _affine(scale_ptr, shift_ptr, n0, SEG, j, C: tl.constexpr, PROLOGUE: tl.cons
 
 
 @triton.jit
+def _program_tile(N, H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr, IMGS: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What this program owns: (its image group and band's index, first row, first image, each tile
+    pixel's column, whether its image exists, its pixel index at row 0, the output channels, the wide
+    tile's column indices). The output-channel tile varies fastest across programs, so the programs
+    that share the same rows run together and find them in L2."""
+    pid = tl.program_id(0)
+    NUM_NT: tl.constexpr = K // BLOCK_N
+    SEGS: tl.constexpr = H // ROWS
+    rest = pid // NUM_NT
+    r0 = (rest % SEGS) * ROWS
+    n0 = (rest // SEGS) * IMGS
+    p = tl.arange(0, IMGS * W)
+    img = n0 + p // W
+    col = p % W
+    offs_n = (pid % NUM_NT) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rest, r0, n0, col, img < N, img * (H * W) + col, offs_n, tl.arange(0, 4 * C)
+
+
+@triton.jit
 def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
                           W_OFF, W_SR, W_SS, W_SC, W_SK,
                           H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
@@ -116,22 +136,8 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
     of ROWS output rows and BLOCK_N output channels. B_r[s * C + c, k] (s < 3) is the weight element
     at w_ptr + W_OFF + r * W_SR + s * W_SS + c * W_SC + k * W_SK, read and cast here (the weight's
     own layout and dtype: no packing pass); rows 3C..4C-1 are zero."""
-    pid = tl.program_id(0)
-    NUM_NT: tl.constexpr = K // BLOCK_N
-    SEGS: tl.constexpr = H // ROWS
-    nt = pid % NUM_NT                 # output-channel tile fastest: its siblings share the rows in L2
-    rest = pid // NUM_NT
-    r0 = (rest % SEGS) * ROWS
-    n0 = (rest // SEGS) * IMGS
     BM: tl.constexpr = IMGS * W
-    JC: tl.constexpr = 4 * C
-    p = tl.arange(0, BM)
-    img = n0 + p // W
-    col = p % W
-    img_ok = img < N
-    base = img * (H * W) + col        # pixel index of (img, row 0, col)
-    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, JC)
+    rest, r0, n0, col, img_ok, base, offs_n, j = _program_tile(N, H, W, C, K, IMGS, ROWS, BLOCK_N)
     sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
     wr = w_ptr + W_OFF + ((j // C) * W_SS + (j % C) * W_SC)[:, None] + offs_n[None, :] * W_SK
     w_ok = (j < 3 * C)[:, None]
@@ -160,22 +166,9 @@ def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SE
                   IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
     """part[program, k, 3r + s, c]: this program's share of the weight gradient
     sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c]."""
-    pid = tl.program_id(0)
-    NUM_NT: tl.constexpr = K // BLOCK_N
-    SEGS: tl.constexpr = H // ROWS
-    nt = pid % NUM_NT
-    rest = pid // NUM_NT
-    r0 = (rest % SEGS) * ROWS
-    n0 = (rest // SEGS) * IMGS
     BM: tl.constexpr = IMGS * W
     JC: tl.constexpr = 4 * C
-    p = tl.arange(0, BM)
-    img = n0 + p // W
-    col = p % W
-    img_ok = img < N
-    base = img * (H * W) + col
-    offs_k = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, JC)
+    rest, r0, n0, col, img_ok, base, offs_k, j = _program_tile(N, H, W, C, K, IMGS, ROWS, BLOCK_N)
     sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
     d_prev = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)   # dy row i - 1 (zero outside the band)
     d_cur = tl.full((BM, BLOCK_N), 0.0, dy_ptr.dtype.element_ty)    # dy row i
