@@ -170,9 +170,9 @@ def eligible(m: nn.Module) -> bool:
 def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
     """Switch ``model`` as ``train.conv_kernels`` asks: to the Triton kernels when it says "triton", the model
     trains on a CUDA GPU of the compute capability their table was measured on (elsewhere the operator would
-    only run cuDNN's or PyTorch's convolution) and each step is one CUDA graph (``cuda_graph`` "step"; launched
-    one by one through Triton's Python launcher they are slower than cuDNN: 28-31 against 48-51 steps/s on an
-    H100); returns how many layers."""
+    only run cuDNN's or PyTorch's convolution) and each step is one CUDA graph (``cuda_graph`` "step": launched
+    one by one, every Triton kernel pays its Python launcher; our earlier Triton convolutions ran a step without
+    the graph at 28-31 steps/s against cuDNN's 48-51 on an H100); returns how many layers."""
     if conv_kernels != "triton" or cuda_graph != "step" or device.type != "cuda":
         return 0
     from trainables.conv_rows import TUNED_CAPABILITY
