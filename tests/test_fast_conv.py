@@ -143,3 +143,29 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
             del sys.modules["trainables.conv_rows"]
         elif not was_interpreted:
             importlib.reload(module)
+
+
+def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
+    """A row kernel that runs out of shared memory on some GPU warns once and leaves that op and shape to
+    cuDNN's path for the rest of the process (the kernel is made to raise Triton's own error here)."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from trainables import conv_rows, fast_conv
+
+    calls = []
+
+    def too_big(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(conv_rows, "CONFIGS", {("fprop", 0, 32, 32, 4, 8): {"BM": 16}})
+    monkeypatch.setattr(conv_rows, "conv3x3_rows_fwd", too_big)
+    monkeypatch.setattr(fast_conv, "_FELL_BACK", set())
+    x = torch.randn(2, 32, 4, 8).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 32, 3, 3) / 17
+    with pytest.warns(RuntimeWarning, match="cannot run here"):
+        y = fast_conv._conv3x3_cuda(x, w)
+    torch.testing.assert_close(y, F.conv2d(x, w, padding=1))
+    fast_conv._conv3x3_cuda(x, w)   # remembered: not tried again
+    assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}

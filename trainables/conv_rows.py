@@ -162,8 +162,9 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
 
 @triton.jit
 def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SEG,
-                  H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
-                  IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr):
+                            H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                            IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            PROLOGUE: tl.constexpr):
     """part[program, k, 3r + s, c]: this program's share of the weight gradient
     sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c]."""
     BM: tl.constexpr = IMGS * W
@@ -202,12 +203,12 @@ def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SE
 # output channels per program (K by default), num_warps, num_stages.
 _CONFIG_KEYS = ("BM", "SEGS", "BN", "num_warps", "num_stages")
 DEFAULT_FWD = {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3}
-DEFAULT_WGRAD = {"BM": 128, "SEGS": 1, "num_warps": 8, "num_stages": 1}
+DEFAULT_WGRAD = {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 2}
 
 # The configuration the training step uses per op ("fprop", "dgrad", "wgrad") and convolution
 # shape, keyed (op, N, C, K, H, W) with the layer's own C -> K (N = 0: any batch); ops and shapes
 # not listed run cuDNN. Chosen from benchmarks/conv_rows_bench.py sweeps on an H100 (sm90) and
-# used on GPUs of compute capability 9.x only (``tuned_config``).
+# used on GPUs of compute capability 9.x only (``fast_conv.apply_conv_kernels``).
 CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     # Chosen in a sweep on an H100, 2026-11-27, with the weight packed beforehand
     # (benchmarks/results/2026-11-27-h100-conv-rows-kernels.json), in us, ours / cuDNN; reading the
@@ -225,13 +226,10 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
 
-def tuned_config(op: str, n: int, c: int, k: int, h: int, w: int,
-                 device: torch.device | None = None) -> dict[str, int] | None:
+def tuned_config(op: str, n: int, c: int, k: int, h: int, w: int) -> dict[str, int] | None:
     """The table's configuration for ``op`` of a C -> K convolution of N images of H x W, or None
-    (run cuDNN). On a CUDA device of another compute capability than the table's: None."""
-    if device is not None and device.type == "cuda" and \
-            torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:
-        return None
+    (run cuDNN). The table is for GPUs of compute capability ``TUNED_CAPABILITY``: the trainer switches
+    a model to these kernels only there (``fast_conv.apply_conv_kernels``)."""
     return CONFIGS.get((op, n, c, k, h, w)) or CONFIGS.get((op, 0, c, k, h, w))
 
 
@@ -260,9 +258,8 @@ def supports(shape: tuple[int, ...], k: int, config: dict | None = None) -> bool
     if len(shape) != 4:
         return False
     _, c, h, w = shape
-    if c < 4 or c & (c - 1) or k % 16:
-        return False
     try:
+        _check_channels(c, k)
         _resolve(config, DEFAULT_FWD, h, w, k)
     except ValueError:
         return False

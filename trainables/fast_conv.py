@@ -44,31 +44,28 @@ def conv3x3(x: Tensor, w: Tensor) -> Tensor:
     return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=_format_of(x))
 
 
-def _rows_or_none(op: str, x_shape, c: int, k: int, device: torch.device) -> dict | None:
-    """The row kernels' configuration for ``op`` of this C -> K layer, or None: run cuDNN."""
+_FELL_BACK: set[tuple] = set()   # (op, N, C, K, H, W) whose row kernel cannot run on this GPU
+
+
+def _rows(op: str, x_shape, c: int, k: int, run) -> Tensor | None:
+    """``run(config)`` with the row kernels' table configuration for ``op`` of this C -> K layer, or None
+    where cuDNN should compute it: the table has no entry, or the kernel cannot run on this GPU (not
+    enough shared memory, say; warned once, cuDNN from then on)."""
+    from triton.runtime.errors import OutOfResources
+
     from trainables import conv_rows
 
     key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
-    if key in _FELL_BACK:
+    cfg = None if key in _FELL_BACK else conv_rows.tuned_config(*key)
+    if cfg is None:
         return None
-    return conv_rows.tuned_config(op, *key[1:], device=device)
-
-
-def _fall_back(op: str, x_shape, c: int, k: int, err: Exception) -> None:
-    """A row kernel that cannot run on this GPU (not enough shared memory, say): cuDNN from now on."""
-    key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
-    _FELL_BACK.add(key)
-    warnings.warn(f"cowtune: the Triton {op} kernel for {key[1:]} (N, C, K, H, W) cannot run here "
-                  f"({type(err).__name__}: {str(err)[:200]}); using cuDNN for it", RuntimeWarning, stacklevel=3)
-
-
-_FELL_BACK: set[tuple] = set()
-
-
-def _resource_errors() -> tuple[type[Exception], ...]:
-    from triton.runtime.errors import OutOfResources
-
-    return (OutOfResources,)
+    try:
+        return run(cfg)
+    except OutOfResources as e:
+        _FELL_BACK.add(key)
+        warnings.warn(f"cowtune: the Triton {op} kernel for {key[1:]} (N, C, K, H, W) cannot run here "
+                      f"({type(e).__name__}: {str(e)[:200]}); using cuDNN for it", RuntimeWarning, stacklevel=3)
+        return None
 
 
 @conv3x3.register_kernel("cuda")
@@ -76,14 +73,10 @@ def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
     from trainables import conv_rows
 
     x = x.contiguous(memory_format=torch.channels_last)
-    c, k = x.shape[1], w.shape[0]
-    cfg = _rows_or_none("fprop", x.shape, c, k, x.device)
-    if cfg is not None:
-        try:
-            return conv_rows.conv3x3_rows_fwd(x, w, config=cfg)
-        except _resource_errors() as e:
-            _fall_back("fprop", x.shape, c, k, e)
-    return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=torch.channels_last)
+    y = _rows("fprop", x.shape, x.shape[1], w.shape[0], lambda cfg: conv_rows.conv3x3_rows_fwd(x, w, config=cfg))
+    if y is None:
+        y = F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=torch.channels_last)
+    return y
 
 
 @conv3x3.register_fake
@@ -108,19 +101,8 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Te
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
     c, k = x.shape[1], w.shape[0]
-    dx = dw = None
-    cfg = _rows_or_none("dgrad", x.shape, c, k, x.device)
-    if cfg is not None:
-        try:
-            dx = conv_rows.conv3x3_rows_dgrad(dy, w, config=cfg)
-        except _resource_errors() as e:
-            _fall_back("dgrad", x.shape, c, k, e)
-    cfg = _rows_or_none("wgrad", x.shape, c, k, x.device)
-    if cfg is not None:
-        try:
-            dw = conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg)   # float32, channels_last
-        except _resource_errors() as e:
-            _fall_back("wgrad", x.shape, c, k, e)
+    dx = _rows("dgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w, config=cfg))
+    dw = _rows("wgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg))  # float32
     if dx is None or dw is None:   # cuDNN for what the row kernels do not compute
         gx, gw, _ = torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, [1, 1], [1, 1], [1, 1], False,
                                                         [0, 0], 1, [dx is None, dw is None, False])
@@ -150,8 +132,8 @@ conv3x3.register_autograd(_backward, setup_context=_setup_context)
 
 class TritonConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` (3x3, stride 1, padding 1, no bias) computed by ``cowtune::conv3x3``. Under autocast
-    the input is cast as autocast casts a convolution's; the weight is cast inside the operator, while it
-    is packed for the kernels, and its gradient comes back in the weight's own dtype."""
+    the input is cast as autocast casts a convolution's; the weight is cast inside the operator (the row
+    kernels cast it as they read it), and its gradient comes back in the weight's own dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -177,8 +159,8 @@ def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, dev
         return 0
     from trainables.conv_rows import TUNED_CAPABILITY
 
-    if torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:
-        return 0
+    if torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:   # the one gate: the table holds
+        return 0                                                           # no configurations for it
     return use_triton_convs(model)
 
 
