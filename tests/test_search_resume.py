@@ -1,5 +1,6 @@
 """Kill the search driver mid-search (SIGKILL), run the same command again: it resumes, and every
-trial ends up in MLflow exactly once, with each epoch logged exactly once."""
+trial ends up in MLflow exactly once, with each epoch logged exactly once. A run whose trial Ray had
+not saved when the driver died (it starts that slot again under a new id) is ended as an orphan."""
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, run_search_script
+from trainables import tracking
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +36,22 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
         proc.wait(30)
     before = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
     assert len(before) < 4 or any(r.info.status == "RUNNING" for r in before)      # killed mid-search
+    # What a trial started after Ray's last experiment snapshot leaves behind: a run Ray does not know.
+    parent = next(r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags)
+    unsaved = client.create_run(exp.experiment_id, run_name="unsaved",
+                                tags={"mlflow.parentRunId": parent.info.run_id, "ray.trial_id": "unsaved0"}).info.run_id
 
     out = run_search_script("cifar10_cowmix.py", args, search_env, tmp_path)
     assert "[resuming]" in out.stdout and "done: 4 trials (0 failed)" in out.stdout
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    orphans = [r for r in runs if "cowtune.orphaned" in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags and "cowtune.orphaned" not in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert unsaved in {o.info.run_id for o in orphans} and f"MLflow run {unsaved} (trial unsaved0)" in out.stdout
+    assert all(o.info.status == "KILLED" and "mlflow.parentRunId" in o.data.tags for o in orphans)
+    assert {c.info.run_id for c in tracking.child_runs(mlflow_server, exp.experiment_id, parent.info.run_id)} \
+        == {c.info.run_id for c in children}                                   # what promote ranks
     assert len(children) == 4 and len({c.data.tags["ray.trial_id"] for c in children}) == 4
     for c in children:
         assert c.info.status == "FINISHED"

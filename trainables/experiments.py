@@ -84,4 +84,19 @@ def open_experiment(name: str, storage: str, tags: dict[str, str]) -> tuple[str,
         raise SystemExit(f"{exp_path} exists with other settings; pass --name NEW to start another run")
     parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if parent is not None else None)
+    if parent is not None:
+        end_orphaned_runs(uri, experiment_id, parent_id, exp_path)
     return uri, experiment_id, exp_path, parent_id, restoring
+
+
+def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_path: str) -> None:
+    """End as KILLED, tagged ``cowtune.orphaned``, the runs of trials that the restored Ray experiment does not
+    know: the driver died after the trial started and before Ray's next snapshot of the experiment (at most
+    every 10 s), so Ray runs that slot again under a new trial id. Kept for the record; not a trial any more."""
+    known = {t.trial_id for t in tune.ExperimentAnalysis(exp_path).trials}
+    for r in tracking.child_runs(uri, experiment_id, parent_id):
+        if r.data.tags.get(tracking.TRIAL_TAG) not in known:
+            why = "the search driver died before Ray saved this trial; Ray ran its slot again as another trial"
+            tracking.finish_run(uri, r.info.run_id, "KILLED", {tracking.ORPHAN_TAG: why})
+            print(f"MLflow run {r.info.run_id} (trial {r.data.tags.get(tracking.TRIAL_TAG)}): {why}; ended as KILLED",
+                  flush=True)

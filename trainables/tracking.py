@@ -23,6 +23,7 @@ from trainables.validation import flatten
 
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
+ORPHAN_TAG = "cowtune.orphaned"       # a trial's run that the restored Ray experiment does not know
 RUN_ID_FILE = "mlflow_run_id.txt"      # kept in the trial checkpoint folder
 MAX_PARAM_CHARS = 6000
 
@@ -59,11 +60,9 @@ def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) ->
 
 def start_parent(uri: str, experiment_id: str, name: str, tags: dict[str, str], run_id: str | None = None) -> str:
     """A new search parent run, or the given one re-opened after a restore."""
-    client = MlflowClient(uri)
     if run_id:
-        client.update_run(run_id, status="RUNNING")
-        return run_id
-    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        return MlflowClient(uri).update_run(run_id, status="RUNNING") or run_id
+    return MlflowClient(uri).create_run(experiment_id, run_name=name, tags=tags).info.run_id
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
@@ -72,8 +71,10 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, 
 
 
 def child_runs(uri: str, experiment_id: str, parent_id: str) -> list[Any]:
-    return MlflowClient(uri).search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
+    """The trials' runs under a parent, less the orphans (``ORPHAN_TAG``)."""
+    runs = MlflowClient(uri).search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
                                          max_results=5000)
+    return [r for r in runs if ORPHAN_TAG not in r.data.tags]
 
 
 def find_trial_run(uri: str, experiment_id: str, parent_id: str, trial_id: str) -> str | None:
