@@ -36,7 +36,9 @@ REL_ERR_FLAG = 2e-2
 WRN_SHAPES = [  # (N, C, K, H, W): the student's stacked call (512) and the teacher's (256)
     (512, 32, 32, 32, 32), (512, 64, 64, 16, 16), (512, 128, 128, 8, 8),
     (256, 32, 32, 32, 32), (256, 64, 64, 16, 16), (256, 128, 128, 8, 8),
+    (512, 16, 32, 32, 32), (256, 16, 32, 32, 32),    # the first block's first convolution
 ]
+SMEM_LIMIT = 232448   # bytes of shared memory a program may use on an H100 (227 KiB)
 TINY_SHAPES = [(3, 16, 32, 8, 8), (2, 32, 16, 4, 16)]
 
 
@@ -47,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cpu runs the kernels in Triton's interpreter (correctness only)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (float32 on cpu)")
     p.add_argument("--shapes", default="0,1,3,4",
-                   help="comma-separated shape indices (0-5: N=512 C=32,64,128, then N=256)")
+                   help="comma-separated shape indices (0-5: N=512 C=32,64,128, then N=256; 6, 7: C=16 K=32 "
+                        "at N=512, 256)")
     p.add_argument("--ops", default="fprop,dgrad,wgrad,fprop_bn,wgrad_bn",
                    help="fprop, dgrad, wgrad, and fprop_bn, wgrad_bn: with the batch-norm + ReLU prologue")
     p.add_argument("--teacher-ops", default="fprop", help="ops timed at N=256 (the teacher only runs forward)")
@@ -85,14 +88,20 @@ def time_graph(fn: Callable[[], Any], rep_ms: float) -> float:
 
 
 def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> list[dict[str, int]]:
-    """Pixels per tile, row bands per image, output channels per program, warps, stages."""
+    """Pixels per tile, row bands per image, output channels per program, warps, stages, for ``op`` of a
+    C -> K convolution (the input gradient runs K -> C). Left out: forward-kernel tiles whose wide input
+    tile and three weight rows (2 bytes an element) would not fit in shared memory, and weight-gradient
+    tiles whose three float32 [4C, BN] sums would need over 200 registers a thread."""
     if tiny:
         return [{"BM": max(16, w), "SEGS": s} for s in (1, 2) if h % s == 0]
+    c_in, c_out = (k, c) if op == "dgrad" else (c, k)
     stages = (1, 2) if op == "wgrad" else (2, 3)
-    bns = sorted({k, max(16, k // 2)})
+    bms = (32, 64, 128) if c_in >= 128 else (64, 128)
+    bns = sorted({c_out, c_out // 2, c_out // 4, c_out // 8} if c_in >= 128 else {c_out, c_out // 2})
     out = []
-    for bm, segs, bn, warps, st in itertools.product((64, 128), (1, 2, 4), bns, (4, 8), stages):
-        if bm % w == 0 and h % segs == 0 and h // segs >= 4:
+    for bm, segs, bn, warps, st in itertools.product(bms, (1, 2, 4), bns, (4, 8), stages):
+        fits = (12 * c_in * bn <= warps * 32 * 200) if op == "wgrad" else 2 * 4 * c_in * (3 * bn + bm) <= SMEM_LIMIT
+        if bn >= 16 and bm % w == 0 and h % segs == 0 and h // segs >= 4 and fits:
             out.append({"BM": bm, "SEGS": segs, "BN": bn, "num_warps": warps, "num_stages": st})
     return out
 
