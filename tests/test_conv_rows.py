@@ -106,7 +106,8 @@ def test_default_configs_and_the_table_configs_run():
     torch.testing.assert_close(cr.conv3x3_rows_fwd(x, wt), F.conv2d(x, wt, padding=1), **TOL)
     torch.testing.assert_close(cr.conv3x3_rows_wgrad(dy, x), _reference_backward(dy, x, wt)[1], **TOL)
     for (op, n, c, k, h, w), cfg in cr.CONFIGS.items():   # every table entry fits its own shape
-        assert cr.supports((n or 2, c, h, w), k, cfg), (op, c, k, h, w, cfg)
+        c_in, c_out = (k, c) if op == "dgrad" else (c, k)   # the input gradient runs K -> C
+        assert cr.supports((n or 2, c_in, h, w), c_out, cfg), (op, c, k, h, w, cfg)
 
 
 def test_weight_gradient_is_deterministic():

@@ -32,7 +32,8 @@ Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): N
 by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
 benchmarks/conv_rows_bench.py --table-only; README "Performance"): at N=512, 32 channels, 32x32,
 forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight gradient 68.8 (112.3); at
-64 channels, 16x16, forward 34.4 (40.6) and input gradient 33.5 (35.0).
+64 channels, 16x16, forward 34.4 (40.6) and input gradient 33.5 (35.0); the 16 -> 32 convolution
+at 32x32: forward 29.5 (69.8), input gradient 36.9 (63.5), weight gradient 54.9 (101.5).
 
 Numerics: float32 accumulation; float32 inputs use ``tl.dot``'s default input precision (TF32 on
 NVIDIA GPUs, exact in the interpreter). Indexing is int32: tensors of 2**31 elements or more are
@@ -218,10 +219,18 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     ("wgrad", 0, 32, 32, 32, 32): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 2},   # 68.4 / 127.2
     ("fprop", 0, 64, 64, 16, 16): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 32.1 / 41.2
     ("dgrad", 0, 64, 64, 16, 16): {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 3},   # 31.8 / 34.7
-    # (wgrad at 64 channels: 66.8 / 42.6, and every op at 128 channels: the wide tile does not fit; cuDNN)
+    # The first block's 16 -> 32 convolution, swept on an H100 on 2026-11-27 with the weight read in the kernel
+    # (benchmarks/results/2026-11-27-h100-conv-rows-c16-c128-kernels.json):
+    ("fprop", 0, 16, 32, 32, 32): {"BM": 64, "SEGS": 2, "BN": 32, "num_warps": 4, "num_stages": 3},   # 29.5 / 69.8
+    ("dgrad", 0, 16, 32, 32, 32): {"BM": 128, "SEGS": 2, "BN": 16, "num_warps": 8, "num_stages": 3},  # 36.9 / 63.5
+    ("wgrad", 0, 16, 32, 32, 32): {"BM": 64, "SEGS": 2, "BN": 32, "num_warps": 4, "num_stages": 2},   # 54.9 / 101.5
+    # cuDNN stays faster for wgrad at 64 channels (66.8 / 42.6) and for every op at 128 channels, 8x8: the
+    # tiles that fit (32 pixels, 32-64 output channels) take fprop 68.3 / 24.9, dgrad 62.0 / 23.7, wgrad
+    # 86.7 / 36.8. (A program of 4 images reads 192 KB of weight rows, 3 x 512 x 64, for 64 KB of input.)
     # The teacher's forward at batch 256: two row bands per image keep the GPU's SMs busy.
     ("fprop", 256, 32, 32, 32, 32): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 25.5 / 40.6
     ("fprop", 256, 64, 64, 16, 16): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 21.8 / 25.4
+    ("fprop", 256, 16, 32, 32, 32): {"BM": 64, "SEGS": 4, "BN": 32, "num_warps": 4, "num_stages": 3},  # 18.6 / 39.8
 }
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
