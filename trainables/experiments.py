@@ -91,8 +91,9 @@ def open_experiment(name: str, storage: str, tags: dict[str, str]) -> tuple[str,
 
 def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_path: str) -> None:
     """End as KILLED, tagged ``cowtune.orphaned``, the runs of trials that the restored Ray experiment does not
-    know: the driver died after the trial started and before Ray's next snapshot of the experiment (at most
-    every 10 s), so Ray runs that slot again under a new trial id. Kept for the record; not a trial any more."""
+    know: the driver died after the trial started and before Ray's next snapshot of the experiment (Ray takes
+    one every 10 s or more), so Ray runs that slot again under a new trial id. Kept for the record; not a
+    trial any more."""
     known = {t.trial_id for t in tune.ExperimentAnalysis(exp_path).trials}
     for r in tracking.child_runs(uri, experiment_id, parent_id):
         if r.data.tags.get(tracking.TRIAL_TAG) not in known:
