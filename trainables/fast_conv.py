@@ -5,7 +5,7 @@ their memory bound on an H100. ``use_triton_convs(model)`` switches every eligib
 stride 1, padding 1, no bias, a power-of-two number of input channels, output channels a multiple of
 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
 ``cowtune::conv3x3`` operator. On CUDA that operator runs the row-streaming kernels for the ops and
-shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's 32- and 64-channel layers) and
+shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's 16-, 32- and 64-channel layers) and
 cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
 still runs (and is tested) on another. torch.compile keeps the operator whole, as it does cuDNN's;
 its backward (``cowtune::conv3x3_backward``) returns both gradients. The kernels are deterministic
