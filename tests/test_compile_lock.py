@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -9,23 +10,45 @@ from pathlib import Path
 
 from trainables.compile_lock import LOCK_NAME, cache_folder, first_compile_lock, step_key
 
+# A compiling process under the test's control: it gets ready (imports torch: seconds), asks for the lock
+# when told "go", says when it got in, and holds the lock until it is told its compilation is done.
 COMPILER = """
 import sys, time
-from trainables.compile_lock import first_compile_lock
-with first_compile_lock(sys.argv[2], max_wait_s=float(sys.argv[3])) as info:
+from trainables.compile_lock import cache_folder, first_compile_lock
+cache_folder()
+print("ready", flush=True)
+sys.stdin.readline()
+with first_compile_lock(sys.argv[1], max_wait_s=float(sys.argv[2])) as info:
     print(f"in {time.time()} {info['waited_s']}", flush=True)
-    time.sleep(float(sys.argv[1]))
+    sys.stdin.readline()
 """
+WAIT_S = 120.0   # for a line from a child: generous on a loaded machine; a hang becomes a failure
 
 
-def _start(hold_s: float, cache: Path, key: str = "wrn", max_wait_s: float = 60.0) -> subprocess.Popen:
+def _line(proc: subprocess.Popen) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], WAIT_S)
+    assert ready, f"no line from the compiling process in {WAIT_S} s"
+    return proc.stdout.readline()
+
+
+def _start(cache: Path, key: str = "wrn", max_wait_s: float = 60.0) -> subprocess.Popen:
+    """A compiling process, ready (torch imported) but not yet asking for the lock."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-c", COMPILER, str(hold_s), key, str(max_wait_s)], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", COMPILER, key, str(max_wait_s)], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert _line(proc).strip() == "ready"
+    return proc
+
+
+def _tell(proc: subprocess.Popen) -> None:
+    """'go' to a ready process; 'done compiling' to one that got in."""
+    proc.stdin.write("\n")
+    proc.stdin.flush()
 
 
 def _entered(proc: subprocess.Popen) -> tuple[float, float]:
-    word, at, waited = proc.stdout.readline().split()
+    word, at, waited = _line(proc).split()
     assert word == "in"
     return float(at), float(waited)
 
@@ -44,28 +67,45 @@ def test_the_lock_lives_in_inductors_cache_folder(tmp_path, monkeypatch):
 
 
 def test_waiters_start_together_once_the_first_compile_is_done(tmp_path):
-    # (each process imports torch to find Inductor's cache folder: about 2 s before it asks for the lock)
-    procs = [_start(5.0, tmp_path)]
+    procs = []
     try:
-        first_in, first_waited = _entered(procs[0])
+        first = _start(tmp_path)
+        procs.append(first)
+        _tell(first)
+        first_in, first_waited = _entered(first)
         assert first_waited == 0.0
-        procs += [_start(4.0, tmp_path), _start(4.0, tmp_path)]
-        (a_in, a_waited), (b_in, b_waited) = _entered(procs[1]), _entered(procs[2])
-        # both waited for the first one (it held the lock 5 s), then compiled at the same time
-        assert a_in >= first_in + 4.9 and b_in >= first_in + 4.9
-        assert a_waited > 0.3 and b_waited > 0.3
+        a, b = _start(tmp_path), _start(tmp_path)
+        procs += [a, b]
+        _tell(a)
+        _tell(b)
+        time.sleep(2.0)                  # both ask for the lock while the first one compiles
+        released = time.time()
+        _tell(first)                     # the first compilation is done
+        (a_in, a_waited), (b_in, b_waited) = _entered(a), _entered(b)
+        # both waited for the first one, then compiled at the same time
+        assert a_in >= released and b_in >= released
+        assert a_waited > 1.0 and b_waited > 1.0
         assert abs(a_in - b_in) < 1.0
         # one that comes while the waiters compile joins them at once: nobody compiles alone then
-        procs.append(_start(0.1, tmp_path, key="resnet"))
-        late_in, late_waited = _entered(procs[3])
-        assert late_waited < 0.5 and late_in < min(a_in, b_in) + 4.0
+        late = _start(tmp_path, key="resnet")
+        procs.append(late)
+        _tell(late)
+        _, late_waited = _entered(late)
+        assert late_waited < 0.5
+        for p in (a, b, late):
+            _tell(p)
+            p.wait(WAIT_S)
         # a step like the first one's, once it has compiled, needs no lock even while someone compiles another
-        holder = _start(5.0, tmp_path, key="shake")
+        holder = _start(tmp_path, key="shake")
         procs.append(holder)
-        shake_in, _ = _entered(holder)
-        procs.append(_start(0.1, tmp_path))
-        again_in, again_waited = _entered(procs[-1])
-        assert again_waited == 0.0 and again_in < shake_in + 4.0
+        _tell(holder)
+        _, holder_waited = _entered(holder)
+        assert holder_waited == 0.0      # alone: it holds the lock exclusively
+        again = _start(tmp_path)
+        procs.append(again)
+        _tell(again)
+        _, again_waited = _entered(again)   # while the holder still holds the lock
+        assert again_waited == 0.0
     finally:
         for p in procs:
             p.kill()
@@ -73,12 +113,17 @@ def test_waiters_start_together_once_the_first_compile_is_done(tmp_path):
 
 
 def test_a_stuck_compilation_is_waited_for_only_so_long(tmp_path):
-    procs = [_start(8.0, tmp_path, key="stuck")]
+    procs = []
     try:
-        first_in, _ = _entered(procs[0])
-        procs.append(_start(0.1, tmp_path, key="stuck", max_wait_s=1.0))
-        late_in, late_waited = _entered(procs[1])
-        assert 1.0 <= late_waited < 2.0 and late_in < first_in + 8.0   # went ahead while the first still held it
+        stuck = _start(tmp_path, key="stuck")
+        procs.append(stuck)
+        _tell(stuck)
+        _entered(stuck)                  # and never told it is done
+        late = _start(tmp_path, key="stuck", max_wait_s=1.0)
+        procs.append(late)
+        _tell(late)
+        _, late_waited = _entered(late)
+        assert 1.0 <= late_waited < 5.0  # went ahead while the first one still held the lock
     finally:
         for p in procs:
             p.kill()

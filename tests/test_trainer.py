@@ -1,6 +1,7 @@
 """The trainer on real (small) data: every method steps, gradients go where they should, resume is exact."""
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -183,8 +184,11 @@ def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tm
     with gpu_turn("gpu0"):                                       # another trial has the GPU
         worker = threading.Thread(target=lambda: out.update(train_epoch(cfg, runner, digits, 0, 4, 0.1, turn="gpu0")))
         worker.start()
-        worker.join(timeout=1.5)
+        deadline = time.monotonic() + 60
+        while runner.count < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         # the first step (compilation on a GPU) ran without the turn; the others wait for it
+        time.sleep(1.2)
         assert worker.is_alive() and runner.count == 1
     worker.join(timeout=60)
     assert runner.count == 4 and out[M.TURN_WAIT_S] >= 1.0
