@@ -22,10 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 that no earlier call in this session returned (calls back to back, before
+    anything binds, could otherwise get the same one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 5) -> None:
@@ -51,10 +60,13 @@ def ray_token_env(tmp_path_factory) -> dict[str, str]:
 
 def start_ray_node(tmp: Path, auth: dict, head_port: int | None = None, num_cpus: int = 2,
                    extra: tuple = ()) -> subprocess.Popen:
-    """`ray start --block` as a child; with head_port it joins that head as a worker node."""
+    """`ray start --block` as a child; with head_port it joins that head as a worker node. Ports that Ray
+    fixes by default (the dashboard agent's 52365, the client server's 10001) are chosen free, so two
+    nodes on this host never race for one."""
     cmd = [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-           "--num-gpus=0", "--object-store-memory=150000000", "--disable-usage-stats", *extra]
-    cmd += [f"--address=127.0.0.1:{head_port}"] if head_port else []
+           "--num-gpus=0", "--object-store-memory=150000000", "--disable-usage-stats",
+           f"--dashboard-agent-listen-port={free_port()}", *extra]
+    cmd += [f"--address=127.0.0.1:{head_port}"] if head_port else [f"--ray-client-server-port={free_port()}"]
     env = {**os.environ, **auth}
     log = open(tmp / f"ray-node-{time.time_ns()}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

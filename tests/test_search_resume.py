@@ -31,6 +31,10 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
             if len(children) >= 2 and any("epoch" in r.data.metrics for r in children):
                 break
             time.sleep(0.3)
+        else:
+            proc.kill()
+            pytest.fail("no trial reported an epoch before the search ended or 240 s passed: "
+                        + (tmp_path / "first.log").read_text()[-2000:])
         assert proc.poll() is None, "the search finished before it could be killed: " + (tmp_path / "first.log").read_text()[-2000:]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
