@@ -97,7 +97,7 @@ def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_path: st
     known = {t.trial_id for t in tune.ExperimentAnalysis(exp_path).trials}
     for r in tracking.child_runs(uri, experiment_id, parent_id):
         if r.data.tags.get(tracking.TRIAL_TAG) not in known:
-            why = "the search driver died before Ray saved this trial; Ray ran its slot again as another trial"
+            why = "the driver died before Ray saved this trial; Ray runs its slot again as another trial"
             tracking.finish_run(uri, r.info.run_id, "KILLED", {tracking.ORPHAN_TAG: why})
             print(f"MLflow run {r.info.run_id} (trial {r.data.tags.get(tracking.TRIAL_TAG)}): {why}; ended as KILLED",
                   flush=True)

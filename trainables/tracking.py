@@ -60,9 +60,10 @@ def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) ->
 
 def start_parent(uri: str, experiment_id: str, name: str, tags: dict[str, str], run_id: str | None = None) -> str:
     """A new search parent run, or the given one re-opened after a restore."""
+    client = MlflowClient(uri)
     if run_id:
-        return MlflowClient(uri).update_run(run_id, status="RUNNING") or run_id
-    return MlflowClient(uri).create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        client.update_run(run_id, status="RUNNING")
+    return run_id or client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
 
 
 def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
@@ -72,8 +73,7 @@ def finish_run(uri: str, run_id: str, status: str = "FINISHED", tags: dict[str, 
 
 def child_runs(uri: str, experiment_id: str, parent_id: str) -> list[Any]:
     """The trials' runs under a parent, less the orphans (``ORPHAN_TAG``)."""
-    runs = MlflowClient(uri).search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'",
-                                         max_results=5000)
+    runs = MlflowClient(uri).search_runs([experiment_id], f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=5000)
     return [r for r in runs if ORPHAN_TAG not in r.data.tags]
 
 
