@@ -8,6 +8,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             ops and shapes in their table (conv_rows.CONFIGS), cuDNN for the rest
     sweep   as triton, with the table replaced by the best configuration per op and shape of
             conv_rows_bench.py results (``--rows-json``), where it beat cuDNN
+    wgrad-stream  as triton, with their weight gradients on a side stream (train.wgrad_stream)
 
     python benchmarks/step_ab.py --variants cudnn,triton --rounds 3 --steps 300 --json out.json
     python benchmarks/step_ab.py --device cpu --tiny        # smoke run
@@ -34,7 +35,7 @@ from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep")
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream")
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         conv_rows.CONFIGS.clear()   # read when a runner's first steps run its kernels, before capture
         conv_rows.CONFIGS.update(swept if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
-                          conv_kernels="cudnn" if v == "cudnn" else "triton",
+                          conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v == "wgrad-stream",
                           cuda_graph="step" if device.type == "cuda" else "none")
         runner = build_runner(cfg, len(raw.class_names), device)
         gen = runner.generator.manual_seed(0)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from trainables.data import Batch
+from trainables.fast_conv import join_wgrad
 from trainables.ssl.ema import ema_update_, ema_weight
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
@@ -57,6 +58,7 @@ class StepGraph:
     def _body(self, r: Any, gen: torch.Generator) -> None:
         loss, stats = r.losses(self.inputs, gen)
         loss.backward()
+        join_wgrad(r.device)   # weight gradients launched on their own stream (train.wgrad_stream)
         r.optimizer.step()
         ema_update_(r.pairs, self.alpha, self.weight)
         r.add_stats(stats)
