@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainables.wgrad_stream import on_side
+
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
 
@@ -108,32 +110,6 @@ def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor | None) -> Tenso
     return dw.to(w.dtype).contiguous(memory_format=_format_of(w))
 
 
-# The weight gradient on its own stream (``train.wgrad_stream``): nothing in the backward pass waits for it
-# until the optimiser, so it overlaps the next layers' input gradients and batch-norm backward kernels.
-_wgrad_stream_on = False
-_WGRAD_STREAMS: dict[int, torch.cuda.Stream] = {}
-_WGRAD_PENDING: set[int] = set()   # devices whose side stream has weight gradients not joined yet
-
-
-def set_wgrad_stream(on: bool) -> None:
-    """Launch the weight gradients of ``cowtune::conv3x3`` on a side stream from now on (or not). Whoever
-    runs a backward pass must then call ``join_wgrad`` before anything reads the gradients; and the
-    compiled backward must neither reuse nor write in place into a buffer once the operator has read it
-    (Inductor's ``allow_buffer_reuse`` and ``inplace_buffers`` off: the side stream may still read it)."""
-    global _wgrad_stream_on
-    _wgrad_stream_on = on
-
-
-def join_wgrad(device: torch.device) -> None:
-    """Make the current stream wait for the weight gradients launched on the side stream (a no-op when the
-    last backward pass launched none there)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index in _WGRAD_PENDING:
-            _WGRAD_PENDING.discard(index)
-            torch.cuda.current_stream(device).wait_stream(_WGRAD_STREAMS[index])
-
-
 @conv3x3_backward.register_kernel("cuda")
 def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     from trainables import conv_rows
@@ -141,18 +117,8 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Te
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
     c, k = x.shape[1], w.shape[0]
-    dw = None
-    if _wgrad_stream_on:   # forked before the input gradient, so that the two run side by side
-        index = x.device.index
-        side = _WGRAD_STREAMS.get(index)
-        if side is None:
-            side = _WGRAD_STREAMS[index] = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            dw = _weight_grad(dy, x, w, None)
-        for t in (dy, x):   # the caching allocator must not give their memory to others before the side
-            t.record_stream(side)   # stream has read them
-        _WGRAD_PENDING.add(index)
+    # on the side stream if it is on (trainables.wgrad_stream), forked before the input gradient
+    dw = on_side(lambda: _weight_grad(dy, x, w, None), dy, x)
     dx = _rows("dgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w, config=cfg))
     w_lo = None
     if dx is None:   # cuDNN where the row kernels do not compute it

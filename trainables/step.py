@@ -20,11 +20,12 @@ from trainables import metrics as M
 from trainables.compile_lock import first_compile_lock, step_key
 from trainables.config import TrainConfig
 from trainables.data import Batch
-from trainables.fast_conv import TritonConv2d, join_wgrad, set_wgrad_stream
+from trainables.fast_conv import TritonConv2d
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
 from trainables.step_graph import StepGraph
+from trainables.wgrad_stream import StreamConv2d, join_wgrad, set_wgrad_stream
 
 
 @contextlib.contextmanager
@@ -77,10 +78,12 @@ class StepRunner:
         # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
         # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
         # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
-        # Weight gradients on a side stream (fast_conv.set_wgrad_stream): the compiled backward must then not
-        # reuse a buffer, or write into one in place, that the side stream may still be reading
+        # Weight gradients on a side stream (trainables.wgrad_stream): the student's compiled backward must then
+        # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
+        # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
+        # later in the process reuse code compiled before it, under the other setting)
         self.wgrad_stream = cfg.train.wgrad_stream and self.cuda_graph == "step" \
-            and any(isinstance(m, TritonConv2d) for m in student.modules())
+            and any(isinstance(m, (TritonConv2d, StreamConv2d)) for m in student.modules())
         set_wgrad_stream(self.wgrad_stream)
         if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
             # and past the limit Dynamo would quietly run the model eagerly
@@ -90,9 +93,13 @@ class StepRunner:
             # kernels is one pass less per layer (WRN-28-2 CowMix, H100: 132.5 -> 139.4 steps/s with bn_relu)
             import torch._inductor.config as inductor
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
-            inductor.allow_buffer_reuse = inductor.inplace_buffers = not self.wgrad_stream
             allow_custom_functions_in_compile_cache()
-        self.student_forward = torch.compile(student, mode=mode, dynamic=False) if compiled else student
+        how = {"mode": mode}
+        if compiled and self.wgrad_stream:
+            from torch._inductor import list_mode_options
+            how = {"options": {**list_mode_options(mode), "allow_buffer_reuse": False,
+                               "inplace_buffers": False}}
+        self.student_forward = torch.compile(student, dynamic=False, **how) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it

@@ -31,6 +31,7 @@ from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
 from trainables.validation import ConfigError
+from trainables.wgrad_stream import apply_wgrad_stream
 
 CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: where and how fast it runs, not what it computes
@@ -167,6 +168,7 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> St
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
     apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
+    apply_wgrad_stream(student, cfg.train.wgrad_stream, cfg.train.cuda_graph, device)   # the other convolutions
     if cfg.train.channels_last and device.type == "cuda":
         student = student.to(memory_format=torch.channels_last)
     teacher = make_teacher(student)

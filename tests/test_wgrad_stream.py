@@ -1,0 +1,108 @@
+"""The ``cowtune::conv2d`` operator and the switch to it (``trainables.wgrad_stream``), on CPU: its
+registrations agree with the real kernels, switched models compute what the originals do, forward and
+backward, eagerly, under autocast and under torch.compile. (The side stream itself needs a GPU:
+``benchmarks/gpu_checks.py wgrad_stream`` checks that it changes no bit of the weights.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainables.fast_conv import TritonConv2d, use_triton_convs
+from trainables.models import create_model
+from trainables.wgrad_stream import StreamConv2d, apply_wgrad_stream, join_wgrad, on_side, use_stream_convs
+
+
+@pytest.mark.parametrize("stride, padding, kernel", [(1, 1, 3), (2, 1, 3), (2, 0, 1), (1, 0, 1)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_operator_registrations_agree(stride, padding, kernel, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(2, 4, 6, 5, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
+    w = torch.randn(3, 4, kernel, kernel, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
+    args = (x, w, [stride, stride], [padding, padding])
+    torch.library.opcheck(torch.ops.cowtune.conv2d.default, args)
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv2d(a, b, *args[2:]), (x, w))
+    out = torch.ops.cowtune.conv2d(*args)
+    torch.testing.assert_close(out, torch.nn.functional.conv2d(x, w, None, stride, padding), rtol=0, atol=0)
+
+
+def test_no_input_gradient_when_the_input_needs_none():
+    x = torch.randn(2, 3, 8, 8)
+    conv = nn.Conv2d(3, 8, 3, 1, 1)
+    ref = copy.deepcopy(conv)
+    use_stream_convs(conv)
+    y = conv(x)
+    y.square().sum().backward()
+    ref(x).square().sum().backward()
+    assert x.grad is None
+    torch.testing.assert_close(conv.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(conv.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("name, count", [("wrn28_2", 6), ("wrn26_2_shakeshake", 52)])
+def test_switched_model_computes_the_same_forward_and_backward(name, count):
+    """WRN-28-2 after the row-kernel switch keeps 6 plain convolutions (stem, 1x1 shortcuts, stride 2); the
+    shake-shake model (biased convolutions, 3x3 shortcuts) has only plain ones."""
+    torch.manual_seed(0)
+    a = create_model(name, 10)
+    b = copy.deepcopy(a)
+    use_triton_convs(b)
+    keys = list(b.state_dict())
+    assert use_stream_convs(b) == count and list(b.state_dict()) == keys
+    assert all(isinstance(m, (StreamConv2d, TritonConv2d)) for m in b.modules() if isinstance(m, nn.Conv2d))
+    x = torch.randn(4, 3, 32, 32)
+    torch.manual_seed(1)   # shake-shake's gates
+    ya = a(x)
+    torch.manual_seed(1)
+    yb = b(x)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_switched_layers_under_autocast_and_compile_match():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 1, 1, 0, bias=False))
+    ref = copy.deepcopy(net)
+    assert use_stream_convs(net) == 2
+    x = torch.randn(4, 8, 8, 8).contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yb, ya = net(x), ref(x)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    # the bias is added to the rounded bf16 convolution (as cuDNN's path and torch.compile add it on a GPU); on
+    # the CPU the original adds it before rounding: one bf16 rounding step apart at most
+    torch.testing.assert_close(yb, ya, rtol=1.6e-2, atol=1e-2)
+    out = torch.compile(net, dynamic=False)(x)
+    expect = ref(x)
+    torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+    out.sum().backward()
+    expect.sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_the_switch_asks_for_cuda_and_a_step_graph():
+    model = create_model("wrn28_2", 10)
+    assert apply_wgrad_stream(model, True, "step", torch.device("cpu")) == 0
+    assert apply_wgrad_stream(model, False, "step", torch.device("cuda")) == 0
+    for graphs in ("model", "none"):
+        assert apply_wgrad_stream(model, True, graphs, torch.device("cuda")) == 0
+    assert not any(type(m) is StreamConv2d for m in model.modules())
+    assert apply_wgrad_stream(model, True, "step", torch.device("cuda")) == 28   # a device, no tensor on it
+
+
+def test_nothing_goes_to_a_side_stream_off_the_gpu():
+    from trainables import wgrad_stream
+
+    wgrad_stream.set_wgrad_stream(True)
+    try:
+        x = torch.ones(3)
+        assert on_side(lambda: x * 2, x) is None
+        join_wgrad(torch.device("cpu"))
+    finally:
+        wgrad_stream.set_wgrad_stream(False)

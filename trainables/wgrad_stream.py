@@ -1,0 +1,184 @@
+"""Weight gradients on their own CUDA stream (``train.wgrad_stream``).
+
+In a convolution's backward pass, the input gradient is what the next layer back waits for; the weight
+gradient is read by nobody until the optimiser. Launched on a side stream, forked from the main one just
+before the input gradient, each layer's weight gradient runs beside the rest of the backward pass (the
+input gradients and batch-norm backward kernels of the layers below) instead of between them. Whoever runs
+the backward pass calls ``join_wgrad`` before anything reads the gradients. The kernels are the same, so the
+gradients are too, bit for bit (``benchmarks/gpu_checks.py``).
+
+Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast_conv``) and, for every
+other convolution of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's kernels, as
+``F.conv2d`` would run them). What the side stream reads is recorded on it (``Tensor.record_stream``), so
+the caching allocator gives that memory to nothing else before the side stream has read it; Inductor's own
+reuse of buffers inside a compiled graph bypasses the allocator, so the trainer compiles without it while
+the stream is on (``allow_buffer_reuse`` and ``inplace_buffers`` off).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_on = False
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+_PENDING: set[int] = set()   # devices whose side stream has weight gradients not joined yet
+
+
+def set_wgrad_stream(on: bool) -> None:
+    """Launch weight gradients on the side stream from now on, or not (read when a backward pass runs)."""
+    global _on
+    _on = on
+
+
+def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
+    """``compute()`` launched on the side stream of ``reads[0]``'s device after everything queued so far on
+    the current stream, or None (nothing launched) when the side stream is off or the tensors are not on a
+    GPU. ``reads``: the tensors ``compute`` reads that the main stream may free or overwrite afterwards."""
+    if not _on or not reads[0].is_cuda:
+        return None
+    device = reads[0].device
+    side = _STREAMS.get(device.index)
+    if side is None:
+        side = _STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        out = compute()
+    for t in reads:
+        t.record_stream(side)
+    _PENDING.add(device.index)
+    return out
+
+
+def join_wgrad(device: torch.device) -> None:
+    """Make the current stream wait for the weight gradients launched on the side stream (a no-op when the
+    last backward pass launched none there)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index in _PENDING:
+            _PENDING.discard(index)
+            torch.cuda.current_stream(device).wait_stream(_STREAMS[index])
+
+
+def _output_format(x: Tensor) -> torch.memory_format:
+    """channels_last for NHWC input (always on CUDA, as cuDNN gives it), else contiguous."""
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if nhwc or x.device.type == "cuda" else torch.contiguous_format
+
+
+@torch.library.custom_op("cowtune::conv2d", mutates_args=())
+def conv2d(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype (the weight is cast to it, as
+    autocast casts a convolution's weight)."""
+    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=_output_format(x))
+
+
+@conv2d.register_fake
+def _conv2d_fake(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    n, _, h, wd = x.shape
+    kh, kw = w.shape[2:]
+    size = (n, w.shape[0], (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
+    return x.new_empty(size).contiguous(memory_format=_output_format(x))
+
+
+def _grads(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int], mask: list[bool]):
+    return torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, stride, padding, [1, 1], False, [0, 0],
+                                               1, mask + [False])
+
+
+@torch.library.custom_op("cowtune::conv2d_backward", mutates_args=())
+def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
+                    input_grad: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of ``conv2d(x, w, stride, padding)`` for the output gradient ``dy``; dw in w's dtype and layout,
+    launched on the side stream when it is on; dx empty unless ``input_grad``."""
+    def weight_grad() -> Tensor:
+        dw = _grads(dy, x, w, stride, padding, [False, True])[1]
+        return dw.to(w.dtype).contiguous(memory_format=_weight_format(w))
+
+    dw = on_side(weight_grad, dy, x)
+    dx = _grads(dy, x, w, stride, padding, [True, False])[0].contiguous(memory_format=_output_format(x)) \
+        if input_grad else x.new_empty(0)
+    return dx, weight_grad() if dw is None else dw
+
+
+def _weight_format(w: Tensor) -> torch.memory_format:
+    nhwc = w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
+@conv2d_backward.register_fake
+def _conv2d_backward_fake(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
+                          input_grad: bool) -> tuple[Tensor, Tensor]:
+    dx = torch.empty_like(x, memory_format=_output_format(x)) if input_grad else x.new_empty(0)
+    return dx, torch.empty_like(w, memory_format=_weight_format(w))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, ctx.stride, ctx.padding = inputs
+    ctx.save_for_backward(x, w)
+
+
+def _backward(ctx, dy: Tensor):
+    x, w = ctx.saved_tensors
+    dx, dw = torch.ops.cowtune.conv2d_backward(dy, x, w, ctx.stride, ctx.padding, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), dw, None, None
+
+
+conv2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+class StreamConv2d(nn.Conv2d):
+    """An ``nn.Conv2d`` computed by ``cowtune::conv2d`` (the same kernels, its weight gradient on the side
+    stream when that is on). The bias is added outside the operator, where torch.compile fuses it with what
+    follows, as it does for a convolution it compiles itself. A subclass of ``nn.Conv2d`` that keeps its
+    convolution (TF "same" padding's, say) is switched to a subclass of both (``stream_class``)."""
+
+    def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        y = torch.ops.cowtune.conv2d(x, weight, list(self.stride), list(self.padding))
+        return y if bias is None else y + bias.to(y.dtype).view(1, -1, 1, 1)
+
+
+_CLASSES: dict[type, type] = {nn.Conv2d: StreamConv2d}
+
+
+def stream_class(cls: type) -> type:
+    """``StreamConv2d`` for ``nn.Conv2d``; for a subclass of it, one subclass of both (made once)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Stream{cls.__name__}", (StreamConv2d, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def stream_eligible(m: nn.Module) -> bool:
+    """Whether ``m`` is a convolution ``cowtune::conv2d`` computes: an ``nn.Conv2d`` (or a subclass that keeps its
+    convolution) with zero padding given in numbers, no dilation or groups, not switched already (to this
+    class or to the row kernels' ``TritonConv2d``)."""
+    from trainables.fast_conv import TritonConv2d
+
+    return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d))
+            and type(m)._conv_forward is nn.Conv2d._conv_forward and m.groups == 1 and m.dilation == (1, 1)
+            and m.padding_mode == "zeros" and not isinstance(m.padding, str))
+
+
+def use_stream_convs(model: nn.Module) -> int:
+    """Switch ``model``'s eligible convolutions to ``StreamConv2d`` in place (parameters, buffers and state-dict
+    keys unchanged); returns how many were switched."""
+    count = 0
+    for m in model.modules():
+        if stream_eligible(m):
+            m.__class__ = stream_class(type(m))
+            count += 1
+    return count
+
+
+def apply_wgrad_stream(model: nn.Module, on: bool, cuda_graph: str, device: torch.device) -> int:
+    """Switch ``model``'s plain convolutions to ``StreamConv2d`` as ``train.wgrad_stream`` asks: when it is on,
+    the model trains on CUDA and each step is one CUDA graph (``cuda_graph`` "step": the stream is forked and
+    joined inside it; torch.compile's own graphs capture the backward pass alone, which could not join it);
+    returns how many layers."""
+    if not on or cuda_graph != "step" or device.type != "cuda":
+        return 0
+    return use_stream_convs(model)
