@@ -130,16 +130,16 @@ conv2d.register_autograd(_backward, setup_context=_setup_context)
 
 
 class StreamConv2d(nn.Conv2d):
-    """An ``nn.Conv2d`` computed by ``cowtune::conv2d`` (the same kernels, its weight gradient on the side
-    stream when that is on). The bias is added outside the operator, where torch.compile fuses it with what
-    follows, as it does for a convolution it compiles itself. A subclass of ``nn.Conv2d`` that keeps its
-    convolution (TF "same" padding's, say) is switched to a subclass of both (``stream_class``)."""
+    """An ``nn.Conv2d`` without bias computed by ``cowtune::conv2d`` (the same kernels, its weight gradient on the
+    side stream when that is on). A subclass of ``nn.Conv2d`` that keeps its convolution (TF "same" padding's,
+    say) is switched to a subclass of both (``stream_class``)."""
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if bias is not None:
+            raise ValueError("StreamConv2d computes convolutions without bias (see stream_eligible)")
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        y = torch.ops.cowtune.conv2d(x, weight, list(self.stride), list(self.padding))
-        return y if bias is None else y + bias.to(y.dtype).view(1, -1, 1, 1)
+        return torch.ops.cowtune.conv2d(x, weight, list(self.stride), list(self.padding))
 
 
 _CLASSES: dict[type, type] = {nn.Conv2d: StreamConv2d}
@@ -154,11 +154,14 @@ def stream_class(cls: type) -> type:
 
 def stream_eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution ``cowtune::conv2d`` computes: an ``nn.Conv2d`` (or a subclass that keeps its
-    convolution) with zero padding given in numbers, no dilation or groups, not switched already (to this
-    class or to the row kernels' ``TritonConv2d``)."""
+    convolution) without bias, with zero padding given in numbers, no dilation or groups, not switched already
+    (to this class or to the row kernels' ``TritonConv2d``). Biased ones stay as they are: in the shake-shake
+    WRN (all of whose convolutions have a bias) the switched step trained to weights 0.02 apart after 3 steps
+    from the unswitched one, deterministically (each way bit-identical run to run: a rounding difference of
+    the bias's path, not a race), and gained nothing (H100: 20.1 steps/s either way)."""
     from trainables.fast_conv import TritonConv2d
 
-    return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d))
+    return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
             and type(m)._conv_forward is nn.Conv2d._conv_forward and m.groups == 1 and m.dilation == (1, 1)
             and m.padding_mode == "zeros" and not isinstance(m.padding, str))
 
