@@ -55,7 +55,7 @@ def load_images(path: str | None, n_synthetic: int) -> RawDataset:
 
 def make_config(model: str, method: str, batch: int, device: str, fast: bool, compile_: bool,
                 compile_mode: str = "reduce-overhead", cuda_graph: str = "step", stack: bool = True,
-                conv_kernels: str = "triton", wgrad_stream: bool = False) -> TrainConfig:
+                conv_kernels: str = "triton", wgrad_stream: bool = True) -> TrainConfig:
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from trainables.data import Batch
-from trainables.wgrad_stream import join_wgrad
 from trainables.ssl.ema import ema_update_, ema_weight
+from trainables.wgrad_stream import join_wgrad
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
 
