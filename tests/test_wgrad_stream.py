@@ -12,11 +12,12 @@ from torch import nn
 
 from trainables.fast_conv import TritonConv2d, use_triton_convs
 from trainables.models import SameConv2d, create_model
-from trainables.wgrad_stream import StreamConv2d, apply_wgrad_stream, join_wgrad, on_side, use_stream_convs
+from trainables.wgrad_stream import (StreamConv2d, apply_wgrad_stream, backward_on_side, on_side, side_stream_wanted,
+                                     use_stream_convs)
 
 
-@pytest.mark.parametrize("stride, padding, kernel", [(1, 1, 3), (2, 1, 3), (2, 0, 1), (1, 0, 1)])
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("stride, padding, kernel, channels_last",
+                         [(1, 1, 3, False), (2, 1, 3, True), (2, 0, 1, True), (1, 0, 1, False)])
 def test_operator_registrations_agree(stride, padding, kernel, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(2, 4, 6, 5, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
@@ -106,10 +107,19 @@ def test_a_biased_stream_convolution_is_refused():
 def test_nothing_goes_to_a_side_stream_off_the_gpu():
     from trainables import wgrad_stream
 
-    wgrad_stream.set_wgrad_stream(True)
-    try:
-        x = torch.ones(3)
-        assert on_side(lambda: x * 2, x) is None
-        join_wgrad(torch.device("cpu"))
-    finally:
-        wgrad_stream.set_wgrad_stream(False)
+    x = torch.ones(3)
+    with backward_on_side(True, torch.device("cpu")):
+        assert wgrad_stream._on and on_side(lambda: x * 2, x) is None
+    assert not wgrad_stream._on and not wgrad_stream._HELD
+
+
+def test_the_stream_only_for_one_compiled_student_call_a_step_graph():
+    """With several student calls a step, autograd would sum a weight's gradients on the main stream before the
+    join; eagerly, it could add into a gradient the side stream still reads."""
+    model = create_model("wrn28_2", 10)
+    assert not side_stream_wanted(True, "step", True, True, model)   # no convolution launches there
+    use_stream_convs(model)
+    assert side_stream_wanted(True, "step", True, True, model)
+    for args in ((False, "step", True, True), (True, "model", True, True), (True, "none", True, True),
+                 (True, "step", False, True), (True, "step", True, False)):
+        assert not side_stream_wanted(*args, model), args

@@ -133,8 +133,9 @@ class TrainSettings:
     conv_kernels: str = "triton"      # cuda: "triton" = our kernels for the 3x3 stride-1 convolutions where
                                       # they beat cuDNN (on sm90: H100, H200), cuDNN for the rest; "cudnn" =
                                       # cuDNN for all (trainables.fast_conv)
-    wgrad_stream: bool = True         # cuda, with cuda_graph "step": the convolutions' weight gradients on a
-                                      # side stream, beside the rest of the backward (trainables.wgrad_stream)
+    wgrad_stream: bool = True         # cuda, compiled, one stacked student call, cuda_graph "step": the
+                                      # convolutions' weight gradients on a side stream, beside the rest of
+                                      # the backward pass (trainables.wgrad_stream)
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 

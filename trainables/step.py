@@ -20,12 +20,11 @@ from trainables import metrics as M
 from trainables.compile_lock import first_compile_lock, step_key
 from trainables.config import TrainConfig
 from trainables.data import Batch
-from trainables.fast_conv import TritonConv2d
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
 from trainables.step_graph import StepGraph
-from trainables.wgrad_stream import StreamConv2d, join_wgrad, set_wgrad_stream
+from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 
 
 @contextlib.contextmanager
@@ -82,9 +81,9 @@ class StepRunner:
         # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
         # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
         # later in the process reuse code compiled before it, under the other setting)
-        self.wgrad_stream = cfg.train.wgrad_stream and self.cuda_graph == "step" \
-            and any(isinstance(m, (TritonConv2d, StreamConv2d)) for m in student.modules())
-        set_wgrad_stream(self.wgrad_stream)
+        self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
+        self.wgrad_stream = side_stream_wanted(cfg.train.wgrad_stream, self.cuda_graph, compiled,
+                                               self.stacked_bns is not None, student)
         if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
             # and past the limit Dynamo would quietly run the model eagerly
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -101,7 +100,6 @@ class StepRunner:
                                "inplace_buffers": False}}
         self.student_forward = torch.compile(student, dynamic=False, **how) if compiled else student
         self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
-        self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -249,8 +247,8 @@ class StepRunner:
             torch.compiler.cudagraph_mark_step_begin()  # outputs of the last step's graphs may be reused
         loss, stats = self.losses(batch, gen)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        join_wgrad(self.device)
+        with backward_on_side(self.wgrad_stream, self.device):   # joined when it ends
+            loss.backward()
         self.optimizer.step()
         ema_update_(self.pairs, alpha)
         self.add_stats(stats)

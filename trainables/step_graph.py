@@ -19,7 +19,7 @@ import torch
 
 from trainables.data import Batch
 from trainables.ssl.ema import ema_update_, ema_weight
-from trainables.wgrad_stream import join_wgrad
+from trainables.wgrad_stream import backward_on_side
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
 
@@ -57,8 +57,8 @@ class StepGraph:
 
     def _body(self, r: Any, gen: torch.Generator) -> None:
         loss, stats = r.losses(self.inputs, gen)
-        loss.backward()
-        join_wgrad(r.device)   # weight gradients launched on their own stream (train.wgrad_stream)
+        with backward_on_side(r.wgrad_stream, r.device):   # weight gradients on their own stream, joined at the end
+            loss.backward()
         r.optimizer.step()
         ema_update_(r.pairs, self.alpha, self.weight)
         r.add_stats(stats)

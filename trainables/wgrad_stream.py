@@ -3,20 +3,28 @@
 In a convolution's backward pass, the input gradient is what the next layer back waits for; the weight
 gradient is read by nobody until the optimiser. Launched on a side stream, forked from the main one just
 before the input gradient, each layer's weight gradient runs beside the rest of the backward pass (the
-input gradients and batch-norm backward kernels of the layers below) instead of between them. Whoever runs
-the backward pass calls ``join_wgrad`` before anything reads the gradients. The kernels are the same, so the
-gradients are too, bit for bit (``benchmarks/gpu_checks.py``).
+input gradients and batch-norm backward kernels of the layers below) instead of between them. The
+backward pass runs inside ``backward_on_side``, which joins the side stream when it ends, before anything
+reads the gradients. The kernels are the same, so the gradients are too, bit for bit
+(``benchmarks/gpu_checks.py``).
 
 Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast_conv``) and, for every
-other convolution of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's kernels, as
-``F.conv2d`` would run them). What the side stream reads is recorded on it (``Tensor.record_stream``), so
-the caching allocator gives that memory to nothing else before the side stream has read it; Inductor's own
-reuse of buffers inside a compiled graph bypasses the allocator, so the trainer compiles without it while
-the stream is on (``allow_buffer_reuse`` and ``inplace_buffers`` off).
+other convolution without bias of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's
+kernels, as ``F.conv2d`` would run them). Nothing on the main stream may write, free or reuse what the side
+stream reads before the join, nor touch a gradient it writes:
+
+- what it reads is held until the join and recorded on it for the caching allocator, so autograd cannot
+  add into it in place (it does so only to a tensor nobody else holds);
+- Inductor's own reuse of buffers inside a compiled graph bypasses both, so the trainer compiles the
+  student without it (``allow_buffer_reuse`` and ``inplace_buffers`` off);
+- autograd sums a weight's gradients on the main stream when a weight is used more than once in a pass,
+  so the trainer turns the stream on only for one stacked, compiled student call per step
+  (``StepRunner``).
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +32,29 @@ from torch import Tensor, nn
 
 _on = False
 _STREAMS: dict[int, torch.cuda.Stream] = {}
-_PENDING: set[int] = set()   # devices whose side stream has weight gradients not joined yet
+_HELD: dict[int, list[Tensor]] = {}   # per device: what the side stream reads, held until the join
 
 
-def set_wgrad_stream(on: bool) -> None:
-    """Launch weight gradients on the side stream from now on, or not (read when a backward pass runs)."""
+@contextlib.contextmanager
+def backward_on_side(on: bool, device: torch.device) -> Iterator[None]:
+    """Within: the weight gradients of ``cowtune::conv3x3`` and ``cowtune::conv2d`` launch on the side stream if
+    ``on`` (a backward pass runs here). On leaving, the current stream waits for them, so the gradients can be
+    read, and the tensors they read are let go."""
     global _on
-    _on = on
+    before, _on = _on, on
+    try:
+        yield
+    finally:
+        _on = before
+        join_wgrad(device)
 
 
 def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
     """``compute()`` launched on the side stream of ``reads[0]``'s device after everything queued so far on
     the current stream, or None (nothing launched) when the side stream is off or the tensors are not on a
-    GPU. ``reads``: the tensors ``compute`` reads that the main stream may free or overwrite afterwards."""
+    GPU. ``reads``: the tensors ``compute`` reads. They are held until the join: nothing frees them, and
+    autograd cannot add another gradient into one of them in place (it does that only to a tensor nobody
+    else holds), before the side stream has read them."""
     if not _on or not reads[0].is_cuda:
         return None
     device = reads[0].device
@@ -48,17 +66,16 @@ def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
         out = compute()
     for t in reads:
         t.record_stream(side)
-    _PENDING.add(device.index)
+    _HELD.setdefault(device.index, []).extend(reads)
     return out
 
 
 def join_wgrad(device: torch.device) -> None:
-    """Make the current stream wait for the weight gradients launched on the side stream (a no-op when the
-    last backward pass launched none there)."""
+    """Make the current stream wait for the weight gradients launched on the side stream and let go of what
+    they read (a no-op when none were launched since the last join)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index in _PENDING:
-            _PENDING.discard(index)
+        if _HELD.pop(index, None) is not None:
             torch.cuda.current_stream(device).wait_stream(_STREAMS[index])
 
 
@@ -156,9 +173,10 @@ def stream_eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution ``cowtune::conv2d`` computes: an ``nn.Conv2d`` (or a subclass that keeps its
     convolution) without bias, with zero padding given in numbers, no dilation or groups, not switched already
     (to this class or to the row kernels' ``TritonConv2d``). Biased ones stay as they are: in the shake-shake
-    WRN (all of whose convolutions have a bias) the switched step trained to weights 0.02 apart after 3 steps
-    from the unswitched one, deterministically (each way bit-identical run to run: a rounding difference of
-    the bias's path, not a race), and gained nothing (H100: 20.1 steps/s either way)."""
+    WRN (all of whose convolutions have a bias) the switched step with the stream on trained to weights 0.02
+    apart after 3 steps from the unswitched one with it off, the same way run to run (which a replayed CUDA
+    graph would also do with a race in it: not pinned down), and gained nothing (H100: 20.1 steps/s either
+    way)."""
     from trainables.fast_conv import TritonConv2d
 
     return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
@@ -185,3 +203,15 @@ def apply_wgrad_stream(model: nn.Module, on: bool, cuda_graph: str, device: torc
     if not on or cuda_graph != "step" or device.type != "cuda":
         return 0
     return use_stream_convs(model)
+
+
+def side_stream_wanted(on: bool, cuda_graph: str, compiled: bool, one_student_call: bool, model: nn.Module) -> bool:
+    """Whether a step runs the weight gradients on the side stream: ``train.wgrad_stream`` asks for it, each step
+    is one CUDA graph, the student is compiled (its backward one graph whose buffers the trainer keeps from
+    reuse, so autograd adds no gradients into them outside it) and called once a step (with several calls,
+    autograd would sum each weight's gradients on the main stream before the join), and it has convolutions
+    that launch there."""
+    from trainables.fast_conv import TritonConv2d
+
+    return (on and cuda_graph == "step" and compiled and one_student_call
+            and any(isinstance(m, (TritonConv2d, StreamConv2d)) for m in model.modules()))
