@@ -75,8 +75,9 @@ def join_wgrad(device: torch.device) -> None:
     they read (a no-op when none were launched since the last join)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if _HELD.pop(index, None) is not None:
+        if index in _HELD:
             torch.cuda.current_stream(device).wait_stream(_STREAMS[index])
+            del _HELD[index]   # after the wait: from here on the main stream's order covers the side's reads
 
 
 def _output_format(x: Tensor) -> torch.memory_format:
