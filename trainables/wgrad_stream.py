@@ -33,6 +33,8 @@ from torch import Tensor, nn
 _on = False
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _HELD: dict[int, list[Tensor]] = {}   # per device: what the side stream reads, held until the join
+DELAY_CYCLES = 0   # > 0: the side stream first spins this many GPU clock cycles each time (a race check's
+                   # widened window, benchmarks/gpu_checks.py; captured into a step graph like the rest)
 
 
 @contextlib.contextmanager
@@ -63,6 +65,8 @@ def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
         side = _STREAMS[device.index] = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
+        if DELAY_CYCLES:
+            torch.cuda._sleep(DELAY_CYCLES)
         out = compute()
     for t in reads:
         t.record_stream(side)
