@@ -42,6 +42,12 @@ def config(**train) -> TrainConfig:
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
 
 
+def weights_of(r) -> dict[str, torch.Tensor]:
+    """A float32 copy of a runner's student and teacher state, keyed student.* and teacher.*."""
+    return {f"{name}.{k}": v.float().clone() for name, model in (("student", r.student), ("teacher", r.teacher))
+            for k, v in model.state_dict().items()}
+
+
 def check_losses(conv_kernels: str = "triton") -> bool:
     device = torch.device("cuda")
     fast_cfg = config(precision="bf16", compile=True, conv_kernels=conv_kernels)
@@ -106,8 +112,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
             per_step.append(r.read_metrics())
             per_step[-1]["rng_offset"] = int(gen.get_state()[8:16].view(torch.int64).item())
             r.reset_metrics()
-            per_state.append({**{f"student.{k}": v.float().clone() for k, v in r.student.state_dict().items()},
-                              **{f"teacher.{k}": v.float().clone() for k, v in r.teacher.state_dict().items()}})
+            per_state.append(weights_of(r))
         losses.append(per_step)
         states.append(per_state)
     worst_loss = 0.0
@@ -142,8 +147,7 @@ def check_wgrad_stream(steps: int = 6) -> bool:
             torch.cuda.synchronize()
         finally:
             wgrad_stream.DELAY_CYCLES = 0
-        states[name] = {**{f"student.{k}": v.float().clone() for k, v in r.student.state_dict().items()},
-                        **{f"teacher.{k}": v.float().clone() for k, v in r.teacher.state_dict().items()}}
+        states[name] = weights_of(r)
         print(f"  {name}: runner.wgrad_stream={r.wgrad_stream}")
     worst = 0.0
     for name in ("on", "on, late"):

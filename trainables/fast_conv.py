@@ -24,26 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.wgrad_stream import on_side
+from trainables.wgrad_stream import format_of, on_side, output_format
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
-
-
-def _format_of(x: Tensor) -> torch.memory_format:
-    """channels_last for an NHWC tensor, else contiguous: the layout an output keeps from its input."""
-    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if nhwc else torch.contiguous_format
-
-
-def _output_format(x: Tensor) -> torch.memory_format:
-    return torch.channels_last if x.device.type == "cuda" else _format_of(x)
 
 
 @torch.library.custom_op("cowtune::conv3x3", mutates_args=())
 def conv3x3(x: Tensor, w: Tensor) -> Tensor:
     """conv2d(x, w, padding=1) for a (K, C, 3, 3) weight, without bias, computed in x's dtype (the weight
     is cast to it, as autocast casts a convolution's weight)."""
-    return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=_format_of(x))
+    return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=format_of(x))
 
 
 _FELL_BACK: set[tuple] = set()   # (op, N, C, K, H, W) whose row kernel cannot run on this GPU
@@ -85,7 +75,7 @@ def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
 def _conv3x3_fake(x: Tensor, w: Tensor) -> Tensor:
     n, _, h, wd = x.shape
     return torch.empty((n, w.shape[0], h, wd), dtype=x.dtype, device=x.device).contiguous(
-        memory_format=_output_format(x))
+        memory_format=output_format(x))
 
 
 @torch.library.custom_op("cowtune::conv3x3_backward", mutates_args=())
@@ -93,7 +83,7 @@ def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     """(dx, dw) of ``conv3x3(x, w)`` for the output gradient ``dy``; dw in w's dtype."""
     dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, [1, 1], [1, 1], [1, 1], False,
                                                     [0, 0], 1, [True, True, False])
-    return dx.contiguous(memory_format=_format_of(x)), dw.to(w.dtype).contiguous(memory_format=_format_of(w))
+    return dx.contiguous(memory_format=format_of(x)), dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
 
 def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor | None) -> Tensor:
@@ -107,7 +97,7 @@ def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor | None) -> Tenso
         w_lo = w.to(x.dtype) if w_lo is None else w_lo
         dw = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
                                                  [0, 0], 1, [False, True, False])[1]
-    return dw.to(w.dtype).contiguous(memory_format=_format_of(w))
+    return dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
 
 @conv3x3_backward.register_kernel("cuda")
@@ -132,8 +122,8 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Te
 
 @conv3x3_backward.register_fake
 def _conv3x3_backward_fake(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    return (torch.empty_like(x, memory_format=_output_format(x)),
-            torch.empty_like(w, memory_format=_format_of(w)))
+    return (torch.empty_like(x, memory_format=output_format(x)),
+            torch.empty_like(w, memory_format=format_of(w)))
 
 
 def _setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:

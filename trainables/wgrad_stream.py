@@ -84,17 +84,22 @@ def join_wgrad(device: torch.device) -> None:
             del _HELD[index]   # after the wait: from here on the main stream's order covers the side's reads
 
 
-def _output_format(x: Tensor) -> torch.memory_format:
-    """channels_last for NHWC input (always on CUDA, as cuDNN gives it), else contiguous."""
+def format_of(x: Tensor) -> torch.memory_format:
+    """channels_last for an NHWC tensor, else contiguous: the layout an output keeps from its input."""
     nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if nhwc or x.device.type == "cuda" else torch.contiguous_format
+    return torch.channels_last if nhwc else torch.contiguous_format
+
+
+def output_format(x: Tensor) -> torch.memory_format:
+    """A convolution's output layout: channels_last on CUDA (as cuDNN gives it), else the input's."""
+    return torch.channels_last if x.device.type == "cuda" else format_of(x)
 
 
 @torch.library.custom_op("cowtune::conv2d", mutates_args=())
 def conv2d(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype (the weight is cast to it, as
     autocast casts a convolution's weight)."""
-    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=_output_format(x))
+    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=output_format(x))
 
 
 @conv2d.register_fake
@@ -102,12 +107,12 @@ def _conv2d_fake(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) ->
     n, _, h, wd = x.shape
     kh, kw = w.shape[2:]
     size = (n, w.shape[0], (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
-    return x.new_empty(size).contiguous(memory_format=_output_format(x))
+    return x.new_empty(size).contiguous(memory_format=output_format(x))
 
 
-def _grads(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int], mask: list[bool]):
-    return torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, stride, padding, [1, 1], False, [0, 0],
-                                               1, mask + [False])
+def _grads(dy: Tensor, x: Tensor, w_lo: Tensor, stride: list[int], padding: list[int], mask: list[bool]):
+    return torch.ops.aten.convolution_backward(dy, x, w_lo, None, stride, padding, [1, 1], False, [0, 0], 1,
+                                               mask + [False])
 
 
 @torch.library.custom_op("cowtune::conv2d_backward", mutates_args=())
@@ -115,26 +120,23 @@ def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding
                     input_grad: bool) -> tuple[Tensor, Tensor]:
     """(dx, dw) of ``conv2d(x, w, stride, padding)`` for the output gradient ``dy``; dw in w's dtype and layout,
     launched on the side stream when it is on; dx empty unless ``input_grad``."""
-    def weight_grad() -> Tensor:
-        dw = _grads(dy, x, w, stride, padding, [False, True])[1]
-        return dw.to(w.dtype).contiguous(memory_format=_weight_format(w))
+    w_lo = w.to(x.dtype)   # cast once, before the side stream forks: both gradients use it
 
-    dw = on_side(weight_grad, dy, x)
-    dx = _grads(dy, x, w, stride, padding, [True, False])[0].contiguous(memory_format=_output_format(x)) \
+    def weight_grad() -> Tensor:
+        dw = _grads(dy, x, w_lo, stride, padding, [False, True])[1]
+        return dw.to(w.dtype).contiguous(memory_format=format_of(w))
+
+    dw = on_side(weight_grad, dy, x, w_lo)
+    dx = _grads(dy, x, w_lo, stride, padding, [True, False])[0].contiguous(memory_format=output_format(x)) \
         if input_grad else x.new_empty(0)
     return dx, weight_grad() if dw is None else dw
-
-
-def _weight_format(w: Tensor) -> torch.memory_format:
-    nhwc = w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
-    return torch.channels_last if nhwc else torch.contiguous_format
 
 
 @conv2d_backward.register_fake
 def _conv2d_backward_fake(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
                           input_grad: bool) -> tuple[Tensor, Tensor]:
-    dx = torch.empty_like(x, memory_format=_output_format(x)) if input_grad else x.new_empty(0)
-    return dx, torch.empty_like(w, memory_format=_weight_format(w))
+    dx = torch.empty_like(x, memory_format=output_format(x)) if input_grad else x.new_empty(0)
+    return dx, torch.empty_like(w, memory_format=format_of(w))
 
 
 def _setup_context(ctx, inputs, output) -> None:
