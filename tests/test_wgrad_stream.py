@@ -29,6 +29,23 @@ def test_operator_registrations_agree(stride, padding, kernel, channels_last):
     torch.testing.assert_close(out, torch.nn.functional.conv2d(x, w, None, stride, padding), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("x_last, w_last", [(False, False), (False, True), (True, False), (True, True)])
+def test_output_and_input_gradient_keep_the_layouts_conv2d_gives(x_last, w_last):
+    # a layout of its own would make the layers after it pick other kernels than the unswitched model's
+    # (in float32 on a GPU: other TF32 results, which the step-graph check once caught)
+    def fmt(last: bool):
+        return torch.channels_last if last else torch.contiguous_format
+
+    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=fmt(x_last)).requires_grad_()
+    w = torch.randn(8, 4, 3, 3).contiguous(memory_format=fmt(w_last)).requires_grad_()
+    y = torch.ops.cowtune.conv2d(x, w, [1, 1], [1, 1])
+    ref = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    assert y.stride() == ref.stride()
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    (ref_dx,) = torch.autograd.grad(ref, x, torch.ones_like(ref))
+    assert dx.stride() == ref_dx.stride()
+
+
 def test_no_input_gradient_when_the_input_needs_none():
     x = torch.randn(2, 3, 8, 8)
     conv = nn.Conv2d(3, 8, 3, 1, 1, bias=False)

@@ -24,9 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.wgrad_stream import format_of, on_side, output_format
+from trainables.wgrad_stream import format_of, on_side
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
+
+
+def output_format(x: Tensor) -> torch.memory_format:
+    """The row kernels' output layout: channels_last on CUDA (where they, or cuDNN in their place, compute it),
+    else the input's."""
+    return torch.channels_last if x.device.type == "cuda" else format_of(x)
 
 
 @torch.library.custom_op("cowtune::conv3x3", mutates_args=())

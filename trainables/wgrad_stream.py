@@ -90,16 +90,18 @@ def format_of(x: Tensor) -> torch.memory_format:
     return torch.channels_last if nhwc else torch.contiguous_format
 
 
-def output_format(x: Tensor) -> torch.memory_format:
-    """A convolution's output layout: channels_last on CUDA (as cuDNN gives it), else the input's."""
-    return torch.channels_last if x.device.type == "cuda" else format_of(x)
+def conv_format(x: Tensor, w: Tensor) -> torch.memory_format:
+    """The layout ``F.conv2d(x, w)`` gives its output (on cuDNN and on the CPU): channels_last if the input or
+    the weight is, else contiguous. ``cowtune::conv2d`` keeps it, so a switched model's later layers see the
+    layouts, and pick the kernels, that the unswitched model's do."""
+    return torch.channels_last if torch.channels_last in (format_of(x), format_of(w)) else torch.contiguous_format
 
 
 @torch.library.custom_op("cowtune::conv2d", mutates_args=())
 def conv2d(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype (the weight is cast to it, as
     autocast casts a convolution's weight)."""
-    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=output_format(x))
+    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=conv_format(x, w))
 
 
 @conv2d.register_fake
@@ -107,7 +109,7 @@ def _conv2d_fake(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) ->
     n, _, h, wd = x.shape
     kh, kw = w.shape[2:]
     size = (n, w.shape[0], (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
-    return x.new_empty(size).contiguous(memory_format=output_format(x))
+    return x.new_empty(size).contiguous(memory_format=conv_format(x, w))
 
 
 def _grads(dy: Tensor, x: Tensor, w_lo: Tensor, stride: list[int], padding: list[int], mask: list[bool]):
@@ -127,7 +129,7 @@ def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding
         return dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
     dw = on_side(weight_grad, dy, x, w_lo)
-    dx = _grads(dy, x, w_lo, stride, padding, [True, False])[0].contiguous(memory_format=output_format(x)) \
+    dx = _grads(dy, x, w_lo, stride, padding, [True, False])[0].contiguous(memory_format=conv_format(x, w)) \
         if input_grad else x.new_empty(0)
     return dx, weight_grad() if dw is None else dw
 
@@ -135,7 +137,7 @@ def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding
 @conv2d_backward.register_fake
 def _conv2d_backward_fake(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
                           input_grad: bool) -> tuple[Tensor, Tensor]:
-    dx = torch.empty_like(x, memory_format=output_format(x)) if input_grad else x.new_empty(0)
+    dx = torch.empty_like(x, memory_format=conv_format(x, w)) if input_grad else x.new_empty(0)
     return dx, torch.empty_like(w, memory_format=format_of(w))
 
 
