@@ -15,7 +15,10 @@
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
-same day: wgrad_stream, resume and losses OK (differences 0, 0; losses within 0.80%).
+same day: wgrad_stream, resume and losses OK (differences 0, 0; losses within 0.80%). After the review's
+changes (late side stream, cowtune::conv2d keeping F.conv2d's layouts), with augmentation 8 steps at a
+time and combo kernels: NVIDIA H200, 2026-11-27, all OK (wgrad_stream, resume and step graph differences 0;
+losses within 0.80%).
 
     python benchmarks/gpu_checks.py
 """

@@ -4,6 +4,7 @@ CPU only, no network, no dataset files: scikit-learn's digits and tiny PNG trees
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fcntl
 import threading
@@ -20,6 +21,7 @@ from trainables import data as D
 from trainables.config import DataConfig
 from trainables.data import image_files
 from trainables.data.batches import _generator
+from trainables.data.splits import make_splits
 from trainables.validation import ConfigError
 
 CPU = torch.device("cpu")
@@ -141,6 +143,25 @@ def test_train_batches_are_a_pure_function_of_epoch_and_seed(digits):
     g0 = torch.get_rng_state()
     run(3, 7)
     assert torch.equal(torch.get_rng_state(), g0)    # global RNG untouched
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_batches_do_not_depend_on_how_many_steps_are_augmented_at_once(digits, twice):
+    def run(chunk):
+        d = copy.copy(digits)
+        d.chunk_steps = chunk
+        return list(d.train_batches(2, 5, 16, 7, twice))
+    one = run(1)
+    for chunk in (3, 8):   # 7 steps: a short last chunk, and one chunk longer than the epoch
+        for a, b in zip(one, run(chunk), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))
+            assert (b.x_unsup1 is b.x_unsup0) is not twice
+
+
+def test_a_chunk_of_no_steps_is_refused(digits_raw):
+    splits = make_splits(digits_raw.train_labels, 0, 10, 50, 0, digits_raw.fingerprint)
+    with pytest.raises(ConfigError, match="chunk_steps"):
+        D.DeviceData(digits_raw, splits, True, 4, CPU, chunk_steps=0)
 
 
 def test_sampling_cycles_labeled_set_and_permutes_unlabeled(digits):

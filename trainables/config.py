@@ -136,6 +136,9 @@ class TrainSettings:
     wgrad_stream: bool = True         # cuda, compiled, one stacked student call, cuda_graph "step": the
                                       # convolutions' weight gradients on a side stream, beside the rest of
                                       # the backward pass (trainables.wgrad_stream)
+    combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
+                                      # launched as one); None: for the models where they were measured to
+                                      # pay (trainables.step.COMBO_KERNEL_MODELS)
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 

@@ -26,6 +26,33 @@ from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
 from trainables.step_graph import StepGraph
 from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 
+# The models compiled with Inductor's combo_kernels on a GPU unless train.combo_kernels says otherwise:
+# independent small kernels (each batch norm's running-statistics update, weight casts, ...) launched as
+# one. Measured in the captured CowMix step (benchmarks/step_ab.py, 2026-11-27): WRN-28-2 171.8 -> 178.2
+# steps/s on an H100, 186.2 -> 192.1 on an H200; the shake-shake WRN-26 22.9 -> 22.1 on an H200 (its
+# kernels are large: combined, they run worse), so it stays off there.
+COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
+# Options that A/B benchmarks (benchmarks/step_ab.py) set on top, before a runner is built. Each runner's
+# options are those of its own torch.compile calls, so Dynamo compiles afresh rather than reusing code
+# compiled under others (as a global Inductor setting would).
+INDUCTOR_OPTIONS_OVERRIDE: dict[str, object] = {}
+
+
+def combo_kernels_wanted(cfg: TrainConfig) -> bool:
+    """``train.combo_kernels``, or where it is None, whether the model is one they were measured to pay for."""
+    return cfg.train.combo_kernels if cfg.train.combo_kernels is not None else cfg.model in COMBO_KERNEL_MODELS
+
+
+def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream: bool = False) -> dict[str, object]:
+    """The options a model is compiled with: ``mode``'s; on a GPU, ``combo`` kernels or not; the benchmark's
+    override; and, for a student whose weight gradients run on a side stream (trainables.wgrad_stream), no
+    reuse of a buffer, nor writing into one in place, that the side stream may still be reading."""
+    from torch._inductor import list_mode_options
+
+    return {**list_mode_options(mode), **({"combo_kernels": combo} if device.type == "cuda" else {}),
+            **INDUCTOR_OPTIONS_OVERRIDE,
+            **({"allow_buffer_reuse": False, "inplace_buffers": False} if wgrad_stream else {})}
+
 
 @contextlib.contextmanager
 def frozen_bn_stats(model: nn.Module):
@@ -93,13 +120,13 @@ class StepRunner:
             import torch._inductor.config as inductor
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
             allow_custom_functions_in_compile_cache()
-        how = {"mode": mode}
-        if compiled and self.wgrad_stream:
-            from torch._inductor import list_mode_options
-            how = {"options": {**list_mode_options(mode), "allow_buffer_reuse": False,
-                               "inplace_buffers": False}}
-        self.student_forward = torch.compile(student, dynamic=False, **how) if compiled else student
-        self.teacher_forward = torch.compile(teacher, mode=mode, dynamic=False) if compiled else teacher
+        combo = combo_kernels_wanted(cfg)
+        self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
+                                 for name in ("student", "teacher")} if compiled else {}
+        self.student_forward = torch.compile(student, dynamic=False, options=self.inductor_options["student"]) \
+            if compiled else student
+        self.teacher_forward = torch.compile(teacher, dynamic=False, options=self.inductor_options["teacher"]) \
+            if compiled else teacher
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -223,7 +250,8 @@ class StepRunner:
                         self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
-                        self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream)
+                        self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
+                        sorted(self.inductor_options.get("student", {}).items()))
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed

@@ -1,0 +1,38 @@
+"""What the trainer compiles its models with (``trainables.step``): Inductor's combo kernels where they were
+measured to pay, and no buffer reuse for a student whose weight gradients run on a side stream."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainables.config import TrainConfig
+from trainables.step import COMBO_KERNEL_MODELS, combo_kernels_wanted, inductor_options
+from trainables.validation import ConfigError
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")   # device objects only: nothing runs on them
+
+
+def cfg(model: str, combo=None) -> TrainConfig:
+    return TrainConfig.from_dict({"model": model, "train": {"combo_kernels": combo}})
+
+
+def test_combo_kernels_by_default_only_for_the_models_measured():
+    assert combo_kernels_wanted(cfg("wrn28_2")) and "wrn28_2" in COMBO_KERNEL_MODELS
+    assert not combo_kernels_wanted(cfg("wrn26_6_shakeshake"))   # measured slower there
+    assert not combo_kernels_wanted(cfg("wrn28_2", False))
+    assert combo_kernels_wanted(cfg("wrn26_6_shakeshake", True))
+
+
+def test_options_on_a_gpu_and_on_the_cpu():
+    on = inductor_options("default", CUDA, True)
+    assert on["combo_kernels"] is True and "allow_buffer_reuse" not in on
+    assert inductor_options("default", CUDA, False)["combo_kernels"] is False
+    assert "combo_kernels" not in inductor_options("default", CPU, True)   # Inductor's CPU code has no use for it
+    stream = inductor_options("max-autotune-no-cudagraphs", CUDA, True, wgrad_stream=True)
+    assert stream["allow_buffer_reuse"] is False and stream["inplace_buffers"] is False
+    assert stream["max_autotune"] is True   # the mode's own options are kept
+
+
+def test_a_combo_setting_that_is_not_a_bool_is_refused():
+    with pytest.raises(ConfigError, match="combo_kernels"):
+        cfg("wrn28_2", "yes")
