@@ -146,7 +146,7 @@ def test_train_batches_are_a_pure_function_of_epoch_and_seed(digits):
 
 
 @pytest.mark.parametrize("twice", [False, True])
-def test_batches_do_not_depend_on_how_many_steps_are_augmented_at_once(digits, twice):
+def test_batches_do_not_depend_on_how_many_steps_are_augmented_at_once(digits, twice, monkeypatch):
     def run(chunk):
         d = copy.copy(digits)
         d.chunk_steps = chunk
@@ -156,6 +156,11 @@ def test_batches_do_not_depend_on_how_many_steps_are_augmented_at_once(digits, t
         for a, b in zip(one, run(chunk), strict=True):
             assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))
             assert (b.x_unsup1 is b.x_unsup0) is not twice
+    step_bytes = (3 if twice else 2) * 16 * 3 * 32 * 32 * 4
+    monkeypatch.setattr(D.device, "CHUNK_BYTES", 2 * step_bytes + 1)   # chunks of 2 steps at most
+    for a, b in zip(one, run(8), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))
+        assert b.x_sup.untyped_storage().nbytes() <= 2 * step_bytes
 
 
 def test_a_chunk_of_no_steps_is_refused(digits_raw):
