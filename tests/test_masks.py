@@ -91,3 +91,31 @@ def test_beta_sample_moments():
         assert s.min() >= 0 and s.max() <= 1
         assert abs(s.mean().item() - 0.5) < 0.02
         assert abs(s.var().item() - 1 / (4 * (2 * a + 1))) < 0.01
+
+
+def _cow_masks_by_the_formula(n, size, sigma_range, prop_range, g):
+    """Algorithm 1 written out, each blur matrix computed afresh: what cow_masks must give bit for bit."""
+    h, w = size
+    p = prop_range[0] + (prop_range[1] - prop_range[0]) * torch.rand(n, generator=g)
+    lo, hi = math.log(sigma_range[0]), math.log(sigma_range[1])
+    sigmas = (lo + (hi - lo) * torch.rand(n, generator=g)).exp()
+    noise = torch.randn(n, h, w, generator=g)
+    radius = 2 * round(3 * sigma_range[1]) + 1
+
+    def blur(size):
+        pos = torch.arange(size, dtype=torch.float32)
+        offset = pos[:, None] - pos[None, :]
+        s = sigmas[:, None, None]
+        return torch.exp(-offset**2 / (2 * s * s)) / (s * math.sqrt(2 * math.pi)) * (offset.abs() <= radius)
+
+    smooth = blur(h) @ noise @ blur(w).transpose(1, 2)
+    threshold = smooth.mean(dim=(1, 2)) + math.sqrt(2.0) * torch.erfinv(2 * p - 1) * smooth.std(dim=(1, 2), correction=0)
+    return (smooth <= threshold[:, None, None]).float().unsqueeze(1)
+
+
+@pytest.mark.parametrize("size", [(32, 32), (24, 40)])
+def test_cow_masks_are_the_formula_bit_for_bit(size):
+    # the blur matrices' constant parts are kept between calls, and a square mask's two matrices are one
+    for call in range(2):
+        got = cow_masks(16, size, (4.0, 16.0), (0.25, 0.75), gen(call))
+        assert torch.equal(got, _cow_masks_by_the_formula(16, size, (4.0, 16.0), (0.25, 0.75), gen(call)))
