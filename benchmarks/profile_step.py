@@ -2,6 +2,8 @@
 wgrad, Triton, other; and by kernel), GPU busy time vs wall time.
 
     python benchmarks/profile_step.py --model wrn28_2 --method cowmix [--no-compile] [--trace out.json]
+
+A trace shows where the GPU waits and what runs beside what: ``python benchmarks/step_timeline.py out.json``.
 """
 from __future__ import annotations
 

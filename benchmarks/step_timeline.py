@@ -30,7 +30,7 @@ CLASSES = (("conv_rows_fwd", "rows-fwd"), ("conv_rows_dgrad", "rows-dgrad"), ("c
            ("wgrad", "cudnn-wgrad"), ("dgrad", "cudnn-dgrad"), ("fprop", "cudnn-fwd"), ("convolve", "cudnn-fwd"),
            ("triton_red", "triton-red"), ("triton_per", "triton-red"), ("triton_poi", "triton-pw"),
            ("multi_tensor", "foreach"), ("reduce_kernel", "aten-red"), ("elementwise", "aten-pw"),
-           ("Memcpy", "copy"), ("emset", "memset"))
+           ("Memcpy", "copy"), ("emset", "memset"))   # rows-fwd: forward and input gradient
 
 
 def kernel_class(name: str) -> str:
