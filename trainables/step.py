@@ -29,8 +29,8 @@ from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 # The models compiled with Inductor's combo_kernels on a GPU unless train.combo_kernels says otherwise:
 # independent small kernels (each batch norm's running-statistics update, weight casts, ...) launched as
 # one. Measured in the captured CowMix step (benchmarks/step_ab.py, 2026-11-27): WRN-28-2 171.8 -> 178.2
-# steps/s on an H100, 186.2 -> 192.1 on an H200; the shake-shake WRN-26 22.9 -> 22.1 on an H200 (its
-# kernels are large: combined, they run worse), so it stays off there.
+# steps/s on an H100, 186.2 -> 192.1 on an H200; the shake-shake WRN-26 22.9 -> 22.1 on an H200 (why was
+# not looked into), so it stays off there.
 COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 # Options that A/B benchmarks (benchmarks/step_ab.py) set on top, before a runner is built. Each runner's
 # options are those of its own torch.compile calls, so Dynamo compiles afresh rather than reusing code
