@@ -48,8 +48,8 @@ def replays(events: list[dict]) -> list[dict]:
     outside any graph since the previous replay's last kernel ended (``before``)."""
     complete = [e for e in events if e.get("ph") == "X"]
     kernels = sorted((e for e in complete if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
-    launches = sorted((e for e in complete if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"),
-                      key=lambda e: e["ts"])
+    launches = sorted((e for e in complete if e.get("cat") == "cuda_runtime"
+                       and e["name"].startswith("cudaGraphLaunch")), key=lambda e: e["ts"])
     graph_of = {e["args"].get("correlation"): i for i, e in enumerate(launches)}
     per = [{"launch": e, "kernels": [], "before": []} for e in launches]
     loose = []
@@ -88,7 +88,7 @@ def summarise(events: list[dict], skip: int = 1) -> dict:
     if len(rs) < skip + 2:
         raise SystemExit(f"the trace holds {len(rs)} CUDA graph replays; need at least {skip + 2} "
                          "(profile a captured step: train.cuda_graph step, more --steps)")
-    all_kernels = [k for r in rs for k in r["kernels"] + r["before"]]
+    all_kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     rows = []
     for r, nxt in zip(rs[skip:-1], rs[skip + 1:]):
         period_start = r["before"][0]["ts"] if r["before"] else r["start"]

@@ -53,6 +53,14 @@ def test_the_summary_of_steps_written_by_hand(tmp_path):
     assert "s7:  350 rows-fwdx1 | s9:  250 cudnn-wgradx1" in text
 
 
+def test_a_kernel_outside_the_graph_during_a_replay_counts_as_busy():
+    events = trace()
+    for i in range(5):   # on another stream, from 50 us before each replay's end to 50 us after it
+        events.append(kernel("at::native::reduce_kernel", i * 1000 + 700, 100, 11, 50 + i))
+    s = step_timeline.summarise(events)
+    assert s["idle_us"] == pytest.approx(220) and s["longest_idle_us"] == pytest.approx(200)
+
+
 def test_a_trace_without_graph_replays_is_refused():
     with pytest.raises(SystemExit, match="CUDA graph replays"):
         step_timeline.summarise([kernel("k", 0, 1, 7, 1)])
