@@ -14,7 +14,7 @@ its backward (``cowtune::conv3x3_backward``) returns both gradients. The kernels
 The trainer switches a model when ``train.conv_kernels`` is "triton" (the default), each step is one
 CUDA graph (``train.cuda_graph: step``, the default on CUDA) and it trains on a GPU of the compute
 capability the table was measured on (9.x: H100, H200): in the captured WRN-28-2 CowMix step on an
-H100, 137.2 -> 155.7 steps/s (README, "Performance").
+H100, 137.2 -> 155.7 steps/s (docs/performance.md).
 """
 from __future__ import annotations
 
