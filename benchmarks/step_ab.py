@@ -12,8 +12,6 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             trainer's defaults
     aug-each-step  as wgrad-stream, with the batches augmented one step at a time
             (DeviceData.chunk_steps 1) instead of 8 steps at once
-    cdt     as wgrad-stream, compiled with Inductor's coordinate_descent_tuning (its
-            kernels' block sizes and warps tuned by measuring, at compile time)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
 
@@ -25,6 +23,7 @@ Prints steps/s per variant and round, and the median per variant.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -38,13 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import load_images, make_config, time_steps  # noqa: E402
 
-from trainables import conv_rows, step  # noqa: E402
+from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "cdt", "no-combo", "combo")
-STREAM_VARIANTS = ("wgrad-stream", "aug-each-step", "cdt", "no-combo", "combo")
-INDUCTOR_OPTIONS = {"cdt": {"coordinate_descent_tuning": True}}
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "no-combo", "combo")
+STREAM_VARIANTS = ("wgrad-stream", "aug-each-step", "no-combo", "combo")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -93,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = load_images(None, 2000 if args.tiny else 20000)
     splits = make_splits(raw.train_labels, 0, 131, 100 if args.tiny else 1000, 0, raw.fingerprint)
     data = DeviceData(raw, splits, True, 4, device)
-    data_each_step = DeviceData(raw, splits, True, 4, device, chunk_steps=1)
+    data_each_step = copy.copy(data)   # the same images on the device, augmented one step at a time
+    data_each_step.chunk_steps = 1
     total = args.warmup + args.rounds * args.steps
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -110,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v),
                           cuda_graph="step" if device.type == "cuda" else "none")
-        step.INDUCTOR_OPTIONS_OVERRIDE = INDUCTOR_OPTIONS.get(v, {})
         runner = build_runner(cfg, len(raw.class_names), device)
-        step.INDUCTOR_OPTIONS_OVERRIDE = {}
         gen = runner.generator.manual_seed(0)
         source = data_each_step if v == "aug-each-step" else data
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

@@ -32,10 +32,6 @@ from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 # steps/s on an H100, 186.2 -> 192.1 on an H200; the shake-shake WRN-26 22.9 -> 22.1 on an H200 (why was
 # not looked into), so it stays off there.
 COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
-# Options that A/B benchmarks (benchmarks/step_ab.py) set on top, before a runner is built. Each runner's
-# options are those of its own torch.compile calls, so Dynamo compiles afresh rather than reusing code
-# compiled under others (as a global Inductor setting would).
-INDUCTOR_OPTIONS_OVERRIDE: dict[str, object] = {}
 
 
 def combo_kernels_wanted(cfg: TrainConfig) -> bool:
@@ -44,13 +40,14 @@ def combo_kernels_wanted(cfg: TrainConfig) -> bool:
 
 
 def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream: bool = False) -> dict[str, object]:
-    """The options a model is compiled with: ``mode``'s; on a GPU, ``combo`` kernels or not; the benchmark's
-    override; and, for a student whose weight gradients run on a side stream (trainables.wgrad_stream), no
-    reuse of a buffer, nor writing into one in place, that the side stream may still be reading."""
+    """The options a model is compiled with (options of its own torch.compile call, so that Dynamo compiles it
+    afresh rather than reusing code compiled under other options, as a global Inductor setting would):
+    ``mode``'s; on a GPU, ``combo`` kernels or not; and, for a student whose weight gradients run on a side
+    stream (trainables.wgrad_stream), no reuse of a buffer, nor writing into one in place, that the side
+    stream may still be reading."""
     from torch._inductor import list_mode_options
 
     return {**list_mode_options(mode), **({"combo_kernels": combo} if device.type == "cuda" else {}),
-            **INDUCTOR_OPTIONS_OVERRIDE,
             **({"allow_buffer_reuse": False, "inplace_buffers": False} if wgrad_stream else {})}
 
 
