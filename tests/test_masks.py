@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainables.ssl.masks import beta_sample, box_masks, cow_masks, gaussian_matrices
+from trainables.ssl.masks import beta_sample, blur_radius, box_masks, cow_masks, gaussian_matrices
 
 
 def gen(seed=0):
@@ -53,12 +53,12 @@ def test_cow_masks_seeded():
 
 def test_gaussian_matrix_is_zero_padded_filter():
     sig = torch.tensor([2.0])
-    g = gaussian_matrices(sig, 8, max_sigma=2.0)[0]
+    g = gaussian_matrices(sig, 8, blur_radius(2.0))[0]
     x = torch.arange(8.0)
     expected = torch.exp(-(x[:, None] - x[None, :]) ** 2 / 8.0) / (2.0 * math.sqrt(2 * math.pi))
     assert torch.allclose(g, expected)
     # kernel radius comes from max_sigma: 2 * round(3 * 0.5) + 1 = 5 taps each side
-    g_small = gaussian_matrices(torch.tensor([3.0]), 16, max_sigma=0.5)[0]
+    g_small = gaussian_matrices(torch.tensor([3.0]), 16, blur_radius(0.5))[0]
     assert g_small[0, 5] > 0 and g_small[0, 6] == 0
 
 
@@ -115,7 +115,7 @@ def _cow_masks_by_the_formula(n, size, sigma_range, prop_range, g):
 
 @pytest.mark.parametrize("size", [(32, 32), (24, 40)])
 def test_cow_masks_are_the_formula_bit_for_bit(size):
-    # the blur matrices' constant parts are kept between calls, and a square mask's two matrices are one
+    # a square mask's two blur matrices are one
     for call in range(2):
         got = cow_masks(16, size, (4.0, 16.0), (0.25, 0.75), gen(call))
         assert torch.equal(got, _cow_masks_by_the_formula(16, size, (4.0, 16.0), (0.25, 0.75), gen(call)))

@@ -23,6 +23,7 @@ from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
+from trainables.ssl.regularizers import Regularizer
 from trainables.step_graph import StepGraph
 from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 
@@ -76,6 +77,27 @@ def allow_custom_functions_in_compile_cache() -> None:
         functorch.autograd_cache_allow_custom_autograd_functions = True
 
 
+def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch.Tensor,
+                   perturb: Regularizer | None, perturb_draws: dict[str, torch.Tensor] | None,
+                   mix: Regularizer | None, mix_draws: dict[str, torch.Tensor] | None,
+                   stacked: bool, channels_last: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The student's batches in the reference's call order (labeled, erased, mixed with the unlabeled batch
+    rolled by one), stacked into one or not, in the model's memory format; and the mix blend. Everything
+    after the regularizers' random draws: compiled on a GPU (train.compile_inputs), one compilation for
+    every trial's numbers (they come as tensors in the draws), where eagerly it is some 40 small kernels."""
+    xs = [x_sup] if x_sup is not None else []
+    if perturb is not None:
+        xs.append(perturb.perturb_drawn(x_unsup1, perturb_draws))
+    blend = None
+    if mix is not None:
+        x_mixed, blend = mix.mix_drawn(x0, torch.roll(x0, shifts=-1, dims=0), mix_draws)
+        xs.append(x_mixed)
+    if stacked:
+        xs = [torch.cat(xs)]
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return [x.contiguous(memory_format=fmt) for x in xs], blend
+
+
 class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
 
@@ -124,6 +146,8 @@ class StepRunner:
             if compiled else student
         self.teacher_forward = torch.compile(teacher, dynamic=False, options=self.inductor_options["teacher"]) \
             if compiled else teacher
+        self.student_inputs = torch.compile(student_inputs, dynamic=False) \
+            if compiled and cfg.train.compile_inputs else student_inputs
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -158,19 +182,18 @@ class StepRunner:
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=self.memory_format)
 
-    def student_logits(self, calls: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor]:
-        """The student's logits for each (input batch, updates BN running stats) in the reference's call
-        order: one stacked call with per-batch batch-norm statistics, or one call each."""
-        if self.stacked_bns is not None and len(calls) > 1:
-            sizes = [x.shape[0] for x, _ in calls]
-            segments = tuple((n, update) for n, (_, update) in zip(sizes, calls))
-            with batch_segments(self.stacked_bns, segments), self.autocast:
-                logits = self.student_forward(self._x(torch.cat([x for x, _ in calls])))
-            return list(logits.split(sizes))
+    def student_logits(self, inputs: list[torch.Tensor], segments: list[tuple[int, bool]]) -> list[torch.Tensor]:
+        """The student's logits for each (batch size, updates BN running stats) in the reference's call order,
+        from ``student_inputs``: one stacked batch, called once with per-batch batch-norm statistics, or one
+        batch per call."""
+        if len(inputs) == 1 and len(segments) > 1:
+            with batch_segments(self.stacked_bns, tuple(segments)), self.autocast:
+                logits = self.student_forward(inputs[0])
+            return list(logits.split([n for n, _ in segments]))
         out = []
-        for x, update in calls:
+        for x, (_, update) in zip(inputs, segments):
             with (contextlib.nullcontext() if update else frozen_bn_stats(self.student)), self.autocast:
-                out.append(self.student_forward(self._x(x)))
+                out.append(self.student_forward(x))
         return out
 
     def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,18 +214,21 @@ class StepRunner:
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
         cfg, stats = self.cfg, {}
-        calls = [(batch.x_sup, True)] if supervised else []
+        perturb = cfg.perturb.regularizer if cfg.perturb is not None else None
+        mix = cfg.mix.regularizer if cfg.mix is not None else None
         teacher_logits = None
-        if cfg.perturb is not None or cfg.mix is not None:
+        if perturb is not None or mix is not None:
             teacher_logits = self.teacher_logits(batch.x_unsup0)
-        if cfg.perturb is not None:
-            calls.append((cfg.perturb.regularizer.perturb(batch.x_unsup1, gen), True))
-        if cfg.mix is not None:
-            x0 = batch.x_unsup0
-            x_mixed, blend = cfg.mix.regularizer.mix(x0, torch.roll(x0, shifts=-1, dims=0), gen)
-            # With both paths on, the reference keeps BN running stats from the erasure call only.
-            calls.append((x_mixed, cfg.perturb is None))
-        logits = self.student_logits(calls)
+        # With both paths on, the reference keeps BN running stats from the erasure call only.
+        segments = [(batch.x_sup.shape[0], True)] if supervised else []
+        segments += [(batch.x_unsup1.shape[0], True)] if perturb is not None else []
+        segments += [(batch.x_unsup0.shape[0], perturb is None)] if mix is not None else []
+        inputs, blend = self.student_inputs(
+            batch.x_sup if supervised else None, batch.x_unsup1, batch.x_unsup0,
+            perturb, perturb.draw(batch.x_unsup1, gen) if perturb is not None else None,
+            mix, mix.draw(batch.x_unsup0, gen) if mix is not None else None,
+            self.stacked_bns is not None and len(segments) > 1, self.memory_format == torch.channels_last)
+        logits = self.student_logits(inputs, segments)
         if self.teacher_stream is not None and teacher_logits is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
         loss = torch.zeros((), device=self.device)
@@ -248,6 +274,7 @@ class StepRunner:
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
+                        self.cfg.train.compile_inputs,
                         sorted(self.inductor_options.get("student", {}).items()))
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:

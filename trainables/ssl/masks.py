@@ -9,139 +9,185 @@ over channels. For erasure, 1 keeps the pixel; for mixing, 1 takes the pixel fro
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 BOX_SCALE_MODES = ("fixed", "random_area", "random_size")
-_OFFSETS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _uniform(n: int, lo: float, hi: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return lo + (hi - lo) * torch.rand(n, generator=gen, device=device)
+def device_constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor of the default float type on ``device``, made once and kept. A mask's numbers
+    (ranges, scales) reach the arithmetic after its random draws as a tensor, so that code compiled for it
+    serves every trial's numbers; and a CUDA graph capture cannot copy from the host: the passes before it
+    make the tensor. Kept for the life of the process (a few bytes each): a captured graph reads the tensor
+    but does not hold it."""
+    return _constants(tuple(float(v) for v in values), torch.device(device), torch.get_default_dtype())
 
 
-def gaussian_matrices(sigmas: torch.Tensor, size: int, max_sigma: float) -> torch.Tensor:
+@functools.cache
+def _constants(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def gaussian_matrices(sigmas: torch.Tensor, size: int, radius: float | torch.Tensor) -> torch.Tensor:
     """Per-sample blur operators G[i, j] = N(i - j; sigma) for a zero-padded 1-D filter.
 
     The reference filters with a kernel of radius R = 2 * round(3 * max_sigma) + 1 (sized from the
-    maximum sigma, not the sample's) and 'SAME' zero padding; that filter is exactly this matrix,
-    with taps beyond R set to 0. Weights are analytically normalised, not re-normalised.
+    maximum sigma, not the sample's: ``blur_radius``) and 'SAME' zero padding; that filter is exactly
+    this matrix, with taps beyond R set to 0. Weights are analytically normalised, not re-normalised.
 
     Args:
         sigmas: (N,) float scales in pixels.
     Returns:
         (N, size, size) float tensor.
     """
-    radius = 2 * round(3 * max_sigma) + 1
-    neg_square, within = _offsets(size, radius, sigmas.device, sigmas.dtype)
-    s = sigmas[:, None, None]
-    g = torch.exp(neg_square / (2 * s * s)) / (s * math.sqrt(2 * math.pi))
-    return g * within
-
-
-def _offsets(size: int, radius: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """-(i - j)**2 and |i - j| <= radius, (size, size) each: made once per (size, radius, device, dtype) and
-    kept (six small kernels fewer in each training step), except while a CUDA graph captures, where a tensor
-    made holds nothing until the graph replays."""
-    key = (size, radius, device, dtype)
-    if key in _OFFSETS:
-        return _OFFSETS[key]
-    pos = torch.arange(size, device=device, dtype=dtype)
+    pos = torch.arange(size, device=sigmas.device, dtype=sigmas.dtype)
     offset = pos[:, None] - pos[None, :]
-    made = (-offset**2, offset.abs() <= radius)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _OFFSETS[key] = made
-    return made
+    s = sigmas[:, None, None]
+    g = torch.exp(-offset**2 / (2 * s * s)) / (s * math.sqrt(2 * math.pi))
+    return g * (offset.abs() <= radius)
+
+
+def blur_radius(max_sigma: float) -> int:
+    return 2 * round(3 * max_sigma) + 1
+
+
+def cow_mask_draws(n: int, size: tuple[int, int], gen: torch.Generator,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The random part of ``n`` CowMasks, in the order drawn: U[0, 1) for p and for log sigma, (n,) each,
+    and the (n, H, W) N(0, 1) noise."""
+    device = torch.device(device)
+    u_p = torch.rand(n, generator=gen, device=device)
+    u_sigma = torch.rand(n, generator=gen, device=device)
+    return u_p, u_sigma, torch.randn(n, *size, generator=gen, device=device)
+
+
+def cow_mask_numbers(sigma_range: tuple[float, float], prop_range: tuple[float, float]) -> tuple[float, ...]:
+    """What ``cow_masks_from`` reads of the ranges: p low and span, log sigma low and span, blur radius."""
+    lo, hi = math.log(sigma_range[0]), math.log(sigma_range[1])
+    return prop_range[0], prop_range[1] - prop_range[0], lo, hi - lo, float(blur_radius(sigma_range[1]))
+
+
+def cow_masks_from(u_p: torch.Tensor, u_sigma: torch.Tensor, noise: torch.Tensor,
+                   numbers: torch.Tensor) -> torch.Tensor:
+    """CowMasks from their draws (``cow_mask_draws``) and ``numbers`` (``cow_mask_numbers`` as a tensor).
+
+    Per mask: p ~ U[p_lo, p_hi); sigma ~ logU[s_lo, s_hi]; smooth = G_H @ noise @ G_W^T;
+    mask = smooth <= mean + sqrt(2) erfinv(2p - 1) * std (population std), so about a fraction p of
+    the pixels are 1. Returns (n, 1, H, W) float32 0/1.
+    """
+    h, w = noise.shape[-2:]
+    p = numbers[0] + numbers[1] * u_p
+    sigmas = (numbers[2] + numbers[3] * u_sigma).exp()
+    g_h = gaussian_matrices(sigmas, h, numbers[4])                          # (n, H, H)
+    g_w = g_h if w == h else gaussian_matrices(sigmas, w, numbers[4])     # (n, W, W): the same if square
+    smooth = g_h @ noise @ g_w.transpose(1, 2)                              # (n, H, W)
+    mean = smooth.mean(dim=(1, 2))
+    std = smooth.std(dim=(1, 2), correction=0)
+    factor = math.sqrt(2.0) * torch.erfinv(2 * p - 1)                       # standard normal quantile of p
+    threshold = mean + factor * std
+    return (smooth <= threshold[:, None, None]).float().unsqueeze(1)
 
 
 def cow_masks(n: int, size: tuple[int, int], sigma_range: tuple[float, float],
               prop_range: tuple[float, float], gen: torch.Generator,
               device: torch.device | str = "cpu") -> torch.Tensor:
-    """Draw ``n`` CowMasks: thresholded Gaussian-smoothed noise.
-
-    Per mask: p ~ U[p_lo, p_hi); sigma ~ logU[s_lo, s_hi]; noise ~ N(0, 1) of shape (H, W);
-    smooth = G_H @ noise @ G_W^T; mask = smooth <= mean + sqrt(2) erfinv(2p - 1) * std
-    (population std), so about a fraction p of the pixels are 1.
+    """Draw ``n`` CowMasks: thresholded Gaussian-smoothed noise (``cow_masks_from``).
 
     Returns:
         (n, 1, H, W) float32 tensor of 0/1 values on ``device``.
     """
-    h, w = size
     device = torch.device(device)
-    p = _uniform(n, prop_range[0], prop_range[1], gen, device)
-    log_sigma = _uniform(n, math.log(sigma_range[0]), math.log(sigma_range[1]), gen, device)
-    sigmas = log_sigma.exp()
-    noise = torch.randn(n, h, w, generator=gen, device=device)
-    g_h = gaussian_matrices(sigmas, h, sigma_range[1])                # (n, H, H)
-    g_w = g_h if w == h else gaussian_matrices(sigmas, w, sigma_range[1])   # (n, W, W): the same if square
-    smooth = g_h @ noise @ g_w.transpose(1, 2)                        # (n, H, W)
-    mean = smooth.mean(dim=(1, 2))
-    std = smooth.std(dim=(1, 2), correction=0)
-    factor = math.sqrt(2.0) * torch.erfinv(2 * p - 1)                 # standard normal quantile of p
-    threshold = mean + factor * std
-    return (smooth <= threshold[:, None, None]).float().unsqueeze(1)
+    numbers = device_constants(cow_mask_numbers(sigma_range, prop_range), device)
+    return cow_masks_from(*cow_mask_draws(n, size, gen, device), numbers)
 
 
-def box_masks(n: int, size: tuple[int, int], scale_mode: str, scale: float, random_aspect: bool,
-              gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Draw ``n`` axis-aligned boxes that lie fully inside the image; 0 inside, 1 outside.
+def box_mask_draws(n: int, scale_mode: str, random_aspect: bool, gen: torch.Generator,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The random part of ``n`` box masks, U[0, 1) each (n,), in the order drawn: the area (unless the scale
+    mode is fixed), the aspect ratio (if random), the top and left edges."""
+    if scale_mode not in BOX_SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {BOX_SCALE_MODES}, got {scale_mode!r}")
+    device = torch.device(device)
+    names = (["area"] if scale_mode != "fixed" else []) + (["aspect"] if random_aspect else []) + ["top", "left"]
+    return {name: torch.rand(n, generator=gen, device=device) for name in names}
+
+
+def box_masks_from(draws: dict[str, torch.Tensor], size: tuple[int, int], scale_mode: str,
+                   scale: torch.Tensor) -> torch.Tensor:
+    """Box masks from their draws (``box_mask_draws``); ``scale``: the fixed mode's area, a 0-d tensor.
 
     Area fraction a: ``fixed`` -> scale, ``random_area`` -> U(0, 1), ``random_size`` -> U(0, 1)^2.
     With a random aspect ratio, log(AR) ~ U(-1, 1) * log(a), so AR lies in [a, 1/a] and the box
     (H sqrt(a AR), W sqrt(a / AR)) always fits. A pixel is inside when its centre is.
-
-    Returns:
-        (n, 1, H, W) float32 tensor of 0/1 values on ``device``.
     """
-    if scale_mode not in BOX_SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {BOX_SCALE_MODES}, got {scale_mode!r}")
     h, w = size
-    device = torch.device(device)
-    if scale_mode == "fixed":
-        area = torch.full((n,), float(scale), device=device)
-    elif scale_mode == "random_area":
-        area = torch.rand(n, generator=gen, device=device)
-    else:
-        area = torch.rand(n, generator=gen, device=device) ** 2
-    if random_aspect:
-        log_ar = _uniform(n, -1.0, 1.0, gen, device) * torch.log(area.clamp_min(1e-8))
-        ar_sqrt = torch.exp(0.5 * log_ar)
-    else:
-        ar_sqrt = torch.ones(n, device=device)
+    top = draws["top"]
+    area = scale.expand(top.shape) if scale_mode == "fixed" else         draws["area"] if scale_mode == "random_area" else draws["area"] ** 2
+    ar_sqrt = torch.exp(0.5 * ((-1.0 + 2.0 * draws["aspect"]) * torch.log(area.clamp_min(1e-8)))) \
+        if "aspect" in draws else torch.ones_like(area)
     box_h = h * area.sqrt() * ar_sqrt
     box_w = w * area.sqrt() / ar_sqrt
-    y0 = torch.rand(n, generator=gen, device=device) * (h - box_h)
-    x0 = torch.rand(n, generator=gen, device=device) * (w - box_w)
-    cy = torch.arange(h, device=device) + 0.5
-    cx = torch.arange(w, device=device) + 0.5
+    y0 = top * (h - box_h)
+    x0 = draws["left"] * (w - box_w)
+    cy = torch.arange(h, device=top.device) + 0.5
+    cx = torch.arange(w, device=top.device) + 0.5
     in_y = (cy[None, :] >= y0[:, None]) & (cy[None, :] <= (y0 + box_h)[:, None])  # (n, H)
     in_x = (cx[None, :] >= x0[:, None]) & (cx[None, :] <= (x0 + box_w)[:, None])  # (n, W)
     inside = in_y[:, :, None] & in_x[:, None, :]
     return (~inside).float().unsqueeze(1)
 
 
-def beta_sample(alpha: float, n: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Beta(alpha, alpha) samples from an explicit generator, without host synchronisation.
+def box_masks(n: int, size: tuple[int, int], scale_mode: str, scale: float, random_aspect: bool,
+              gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Draw ``n`` axis-aligned boxes that lie fully inside the image; 0 inside, 1 outside (``box_masks_from``).
+
+    Returns:
+        (n, 1, H, W) float32 tensor of 0/1 values on ``device``.
+    """
+    device = torch.device(device)
+    draws = box_mask_draws(n, scale_mode, random_aspect, gen, device)
+    return box_masks_from(draws, size, scale_mode, device_constants((scale,), device)[0])
+
+
+def beta_draws(n: int, gen: torch.Generator, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The random part of ``n`` Beta samples, in the order drawn: for each of its two Gamma samples, (8, n)
+    normals and (8, n) uniforms for eight proposal rounds, and (n,) uniforms for the boost."""
+    device = torch.device(device)
+    return tuple(draw for _ in range(2) for draw in (torch.randn(8, n, generator=gen, device=device),
+                                                     torch.rand(8, n, generator=gen, device=device),
+                                                     torch.rand(n, generator=gen, device=device)))
+
+
+def beta_numbers(alpha: float) -> tuple[float, float, float]:
+    """What ``beta_from`` reads of alpha: Marsaglia-Tsang's d and c for Gamma(alpha + 1), and 1 / alpha."""
+    d = alpha + 1.0 - 1.0 / 3.0
+    return d, 1.0 / math.sqrt(9.0 * d), 1.0 / alpha
+
+
+def beta_from(draws: tuple[torch.Tensor, ...], numbers: torch.Tensor) -> torch.Tensor:
+    """Beta(alpha, alpha) samples from their draws (``beta_draws``) and ``numbers`` (``beta_numbers``).
 
     Gamma(a) by Marsaglia-Tsang on Gamma(a + 1) with the boost U^(1/a); eight vectorised
     proposal rounds (acceptance > 95% each), the first accepted one is used.
     """
-    device = torch.device(device)
-    d = alpha + 1.0 - 1.0 / 3.0
-    c = 1.0 / math.sqrt(9.0 * d)
+    d, c, inv_alpha = numbers[0], numbers[1], numbers[2]
 
-    def gamma(m: int) -> torch.Tensor:
-        rounds = 8
-        x = torch.randn(rounds, m, generator=gen, device=device)
-        u = torch.rand(rounds, m, generator=gen, device=device)
+    def gamma(x: torch.Tensor, u: torch.Tensor, u_boost: torch.Tensor) -> torch.Tensor:
         v = (1 + c * x) ** 3
         ok = (v > 0) & (torch.log(u.clamp_min(1e-12)) < 0.5 * x * x + d - d * v + d * torch.log(v.clamp_min(1e-12)))
         first = torch.argmax(ok.int(), dim=0)                          # first accepted round
         g = (d * v).gather(0, first[None]).squeeze(0)
-        g = torch.where(ok.any(0), g, torch.full_like(g, d))
-        boost = torch.rand(m, generator=gen, device=device).clamp_min(1e-12) ** (1.0 / alpha)
-        return g * boost
+        g = torch.where(ok.any(0), g, d)
+        return g * u_boost.clamp_min(1e-12) ** inv_alpha
 
-    a, b = gamma(n), gamma(n)
+    a, b = gamma(*draws[:3]), gamma(*draws[3:])
     return a / (a + b).clamp_min(1e-30)
+
+
+def beta_sample(alpha: float, n: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Beta(alpha, alpha) samples from an explicit generator, without host synchronisation (``beta_from``)."""
+    device = torch.device(device)
+    return beta_from(beta_draws(n, gen, device), device_constants(beta_numbers(alpha), device))

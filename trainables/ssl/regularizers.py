@@ -9,6 +9,11 @@ arXiv:2003.12022. Two verbs (after the authors' ``masking/regularizers.py``):
 * ``mix(x0, x1, gen) -> (x_mixed, blend)`` for the mixing family (kind "mix"): ict (Beta blend),
   cutmix (box), cowmix (CowMask). ``blend`` (N,) is the fraction taken from ``x1``.
 
+Each verb is two halves: ``draw(x, gen)``, every random number it uses (and its own numbers as a
+device tensor, "numbers"), then ``perturb_drawn`` / ``mix_drawn``, the arithmetic on them with no
+generator. The trainer compiles the second half; so that one compilation serves every trial, it
+reads of ``self`` only what decides the shape of the computation (a box's scale mode), never a number.
+
 "supervised" is not a regularizer: it is a config with neither path.
 """
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from trainables.ssl.masks import BOX_SCALE_MODES, beta_sample, box_masks, cow_masks
+from trainables.ssl.masks import (BOX_SCALE_MODES, beta_draws, beta_from, beta_numbers, box_mask_draws, box_masks_from,
+                                  cow_mask_draws, cow_mask_numbers, cow_masks_from, device_constants)
 from trainables.validation import ConfigError, build_dataclass, check, dataclass_to_dict, unknown_name
 
 REGULARIZERS: dict[str, type["Regularizer"]] = {}
@@ -41,11 +47,22 @@ class Regularizer:
     kind: ClassVar[str] = ""          # "perturb" or "mix"
     augment_twice: ClassVar[bool] = False
 
-    def perturb(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def draw(self, x: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """The random numbers one call uses, for a batch like ``x``, and "numbers": this regularizer's own."""
+        return {}
+
+    def perturb_drawn(self, x: torch.Tensor, draws: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def mix(self, x0: torch.Tensor, x1: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_drawn(self, x0: torch.Tensor, x1: torch.Tensor, draws: dict[str, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def perturb(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        return self.perturb_drawn(x, self.draw(x, gen))
+
+    def mix(self, x0: torch.Tensor, x1: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mix_drawn(x0, x1, self.draw(x0, gen))
 
 
 def _check_range(name: str, rng: tuple[float, float], lo: float, hi: float | None) -> None:
@@ -54,16 +71,24 @@ def _check_range(name: str, rng: tuple[float, float], lo: float, hi: float | Non
     check(ok, name, f"satisfy {bound}", rng)
 
 
-def _erase(x: torch.Tensor, keep: torch.Tensor, noise_std: float, apply_prob: float,
-           gen: torch.Generator) -> torch.Tensor:
-    """x * keep + noise * (1 - keep); with apply_prob < 1 some samples keep everything."""
+def _erase_draws(x: torch.Tensor, noise_std: float, apply_prob: float, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Erasure's draws after its mask's: which samples are erased at all (with apply_prob < 1), the fill noise."""
+    draws = {}
     if apply_prob < 1.0:
-        applied = torch.rand(x.shape[0], 1, 1, 1, generator=gen, device=x.device) < apply_prob
-        keep = torch.where(applied, keep, torch.ones_like(keep))
-    keep = keep.to(x.dtype)
+        draws["apply"] = torch.rand(x.shape[0], 1, 1, 1, generator=gen, device=x.device)
     if noise_std > 0:
-        noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype) * noise_std
-        return x * keep + noise * (1 - keep)
+        draws["fill"] = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+    return draws
+
+
+def _erase(x: torch.Tensor, keep: torch.Tensor, draws: dict[str, torch.Tensor], noise_std: torch.Tensor,
+           apply_prob: torch.Tensor) -> torch.Tensor:
+    """x * keep + noise * (1 - keep); with apply_prob < 1 some samples keep everything."""
+    if "apply" in draws:
+        keep = torch.where(draws["apply"] < apply_prob, keep, torch.ones_like(keep))
+    keep = keep.to(x.dtype)
+    if "fill" in draws:
+        return x * keep + draws["fill"] * noise_std * (1 - keep)
     return x * keep
 
 
@@ -79,7 +104,7 @@ class MeanTeacher(Regularizer):
     kind: ClassVar[str] = "perturb"
     augment_twice: ClassVar[bool] = True
 
-    def perturb(self, x, gen):
+    def perturb_drawn(self, x, draws):
         return x
 
 
@@ -99,9 +124,16 @@ class CowOut(Regularizer):
         check(self.noise_std >= 0, "cowout.noise_std", "be >= 0", self.noise_std)
         check(0 <= self.apply_prob <= 1, "cowout.apply_prob", "be in [0, 1]", self.apply_prob)
 
-    def perturb(self, x, gen):
-        keep = cow_masks(x.shape[0], x.shape[-2:], self.sigma_range, self.prop_range, gen, x.device)
-        return _erase(x, keep, self.noise_std, self.apply_prob, gen)
+    def draw(self, x, gen):
+        u_p, u_sigma, noise = cow_mask_draws(x.shape[0], x.shape[-2:], gen, x.device)
+        numbers = cow_mask_numbers(self.sigma_range, self.prop_range) + (self.noise_std, self.apply_prob)
+        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise,
+                **_erase_draws(x, self.noise_std, self.apply_prob, gen), "numbers": device_constants(numbers, x.device)}
+
+    def perturb_drawn(self, x, draws):
+        numbers = draws["numbers"]
+        keep = cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], numbers[:5])
+        return _erase(x, keep, draws, numbers[5], numbers[6])
 
 
 @register("randerase")
@@ -122,9 +154,15 @@ class RandErase(Regularizer):
         check(self.noise_std >= 0, "randerase.noise_std", "be >= 0", self.noise_std)
         check(0 <= self.apply_prob <= 1, "randerase.apply_prob", "be in [0, 1]", self.apply_prob)
 
-    def perturb(self, x, gen):
-        keep = box_masks(x.shape[0], x.shape[-2:], self.scale_mode, self.scale, self.random_aspect, gen, x.device)
-        return _erase(x, keep, self.noise_std, self.apply_prob, gen)
+    def draw(self, x, gen):
+        boxes = box_mask_draws(x.shape[0], self.scale_mode, self.random_aspect, gen, x.device)
+        numbers = device_constants((self.scale, self.noise_std, self.apply_prob), x.device)
+        return {**boxes, **_erase_draws(x, self.noise_std, self.apply_prob, gen), "numbers": numbers}
+
+    def perturb_drawn(self, x, draws):
+        numbers = draws["numbers"]
+        keep = box_masks_from(draws, x.shape[-2:], self.scale_mode, numbers[0])
+        return _erase(x, keep, draws, numbers[1], numbers[2])
 
 
 @register("ict")
@@ -137,8 +175,13 @@ class ICT(Regularizer):
     def __post_init__(self):
         check(self.alpha > 0, "ict.alpha", "be > 0", self.alpha)
 
-    def mix(self, x0, x1, gen):
-        lam = beta_sample(self.alpha, x0.shape[0], gen, x0.device).to(x0.dtype)
+    def draw(self, x, gen):
+        draws = beta_draws(x.shape[0], gen, x.device)
+        return {**{f"beta{i}": d for i, d in enumerate(draws)},
+                "numbers": device_constants(beta_numbers(self.alpha), x.device)}
+
+    def mix_drawn(self, x0, x1, draws):
+        lam = beta_from(tuple(draws[f"beta{i}"] for i in range(6)), draws["numbers"]).to(x0.dtype)
         return x0 + (x1 - x0) * lam[:, None, None, None], lam
 
 
@@ -156,9 +199,12 @@ class CutMix(Regularizer):
               self.scale_mode)
         check(0 <= self.scale <= 1, "cutmix.scale", "be in [0, 1]", self.scale)
 
-    def mix(self, x0, x1, gen):
-        take1 = box_masks(x0.shape[0], x0.shape[-2:], self.scale_mode, self.scale, self.random_aspect, gen, x0.device)
-        return _blend(x0, x1, take1)
+    def draw(self, x, gen):
+        return {**box_mask_draws(x.shape[0], self.scale_mode, self.random_aspect, gen, x.device),
+                "numbers": device_constants((self.scale,), x.device)}
+
+    def mix_drawn(self, x0, x1, draws):
+        return _blend(x0, x1, box_masks_from(draws, x0.shape[-2:], self.scale_mode, draws["numbers"][0]))
 
 
 @register("cowmix")
@@ -173,9 +219,13 @@ class CowMix(Regularizer):
         _check_range("cowmix.sigma_range", self.sigma_range, 1e-3, None)
         _check_range("cowmix.prop_range", self.prop_range, 0.0, 1.0)
 
-    def mix(self, x0, x1, gen):
-        take1 = cow_masks(x0.shape[0], x0.shape[-2:], self.sigma_range, self.prop_range, gen, x0.device)
-        return _blend(x0, x1, take1)
+    def draw(self, x, gen):
+        u_p, u_sigma, noise = cow_mask_draws(x.shape[0], x.shape[-2:], gen, x.device)
+        numbers = device_constants(cow_mask_numbers(self.sigma_range, self.prop_range), x.device)
+        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise, "numbers": numbers}
+
+    def mix_drawn(self, x0, x1, draws):
+        return _blend(x0, x1, cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], draws["numbers"]))
 
 
 def regularizer_from_dict(d: dict[str, Any], prefix: str = "regularizer",

@@ -1,0 +1,71 @@
+"""The student's inputs after the regularizers' draws (trainables.step.student_inputs): compiled once for
+every trial's numbers, and the same as the regularizers' own verbs."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from trainables.ssl.regularizers import REGULARIZERS
+from trainables.step import student_inputs
+
+# Two settings each that differ in their numbers only (not in what decides the computation's shape)
+NUMBERS = {
+    "mean_teacher": ({}, {}),
+    "cowout": ({"sigma_range": (4.0, 16.0), "prop_range": (0.25, 1.0), "noise_std": 1.0, "apply_prob": 0.5},
+               {"sigma_range": (2.0, 6.0), "prop_range": (0.4, 0.6), "noise_std": 0.3, "apply_prob": 0.9}),
+    "randerase": ({"scale_mode": "fixed", "scale": 0.25}, {"scale_mode": "fixed", "scale": 0.5, "noise_std": 2.0}),
+    "ict": ({"alpha": 0.1}, {"alpha": 1.5}),
+    "cutmix": ({"scale_mode": "fixed", "scale": 0.25}, {"scale_mode": "fixed", "scale": 0.6}),
+    "cowmix": ({"sigma_range": (4.0, 16.0), "prop_range": (0.2, 0.8)},
+               {"sigma_range": (1.0, 3.0), "prop_range": (0.5, 0.5)}),
+}
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def call(fn, reg, x_sup, x1, x0, seed, stacked=False):
+    g = gen(seed)
+    if reg.kind == "perturb":
+        return fn(x_sup, x1, x0, reg, reg.draw(x1, g), None, None, stacked, False)
+    return fn(x_sup, x1, x0, None, None, reg, reg.draw(x0, g), stacked, False)
+
+
+def test_every_regularizer_has_two_settings_here():
+    assert set(NUMBERS) == set(REGULARIZERS)
+
+
+@pytest.mark.parametrize("name", sorted(REGULARIZERS))
+def test_one_compilation_serves_other_numbers(name):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(student_inputs, backend=counter, dynamic=False)
+    x_sup, x1, x0 = (torch.randn(8, 3, 16, 16, generator=gen(s)) for s in (1, 2, 3))
+    for settings in NUMBERS[name]:
+        reg = REGULARIZERS[name](**settings)
+        got, blend = call(compiled, reg, x_sup, x1, x0, 4)
+        want, want_blend = call(student_inputs, reg, x_sup, x1, x0, 4)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want) == 2
+        if reg.kind == "mix":
+            assert torch.equal(blend, want_blend)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", sorted(REGULARIZERS))
+def test_inputs_are_the_regularizers_verbs_in_the_references_order(name):
+    reg = REGULARIZERS[name]()
+    x_sup, x1, x0 = (torch.randn(8, 3, 16, 16, generator=gen(s)) for s in (1, 2, 3))
+    (stacked,), blend = call(student_inputs, reg, x_sup, x1, x0, 5, stacked=True)
+    if reg.kind == "perturb":
+        expected = reg.perturb(x1, gen(5))
+    else:
+        expected, expected_blend = reg.mix(x0, torch.roll(x0, shifts=-1, dims=0), gen(5))
+        assert torch.equal(blend, expected_blend)
+    assert torch.equal(stacked, torch.cat([x_sup, expected]))
+
+
+def test_channels_last_on_request():
+    reg = REGULARIZERS["cowmix"]()
+    x = torch.randn(4, 3, 8, 8)
+    (out,), _ = student_inputs(x, x, x, None, None, reg, reg.draw(x, gen()), True, True)
+    assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == (8, 3, 8, 8)
