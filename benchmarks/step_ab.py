@@ -14,8 +14,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (DeviceData.chunk_steps 1) instead of 8 steps at once
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
-    eager-inputs  as wgrad-stream, with the masks and mixing after their random draws run eagerly
-            (train.compile_inputs false) instead of compiled
+    eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
+            losses, run eagerly (train.compile_masks_and_losses false) instead of compiled
 
     python benchmarks/step_ab.py --variants cudnn,triton --rounds 3 --steps 300 --json out.json
     python benchmarks/step_ab.py --device cpu --tiny        # smoke run
@@ -43,8 +43,8 @@ from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-inputs")
-STREAM_VARIANTS = ("wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-inputs")
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         conv_rows.CONFIGS.update(swept if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
-                          combo_kernels=COMBO.get(v), compile_inputs=v != "eager-inputs",
+                          combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           cuda_graph="step" if device.type == "cuda" else "none")
         runner = build_runner(cfg, len(raw.class_names), device)
         gen = runner.generator.manual_seed(0)

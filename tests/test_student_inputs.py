@@ -69,3 +69,32 @@ def test_channels_last_on_request():
     x = torch.randn(4, 3, 8, 8)
     (out,), _ = student_inputs(x, x, x, None, None, reg, reg.draw(x, gen()), True, True)
     assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == (8, 3, 8, 8)
+
+
+def test_loss_terms_compile_once_for_every_trials_numbers():
+    from trainables.config import TrainConfig
+    from trainables.step import loss_terms, path_numbers
+    from trainables.ssl.masks import device_constants
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(loss_terms, backend=counter, dynamic=False)
+    logits = [torch.randn(8, 10, generator=gen(s)) for s in (1, 2, 3)]
+    teacher = torch.randn(8, 10, generator=gen(4)) * 3
+    y, blend = torch.randint(0, 10, (8,), generator=gen(5)), torch.rand(8, generator=gen(6))
+    for omega, thresh in ((30.0, 0.6), (5.0, 0.2), (12.0, -1.0)):
+        cfg = TrainConfig.from_dict({"perturb": {"name": "cowout", "weight": omega / 10, "conf_thresh": thresh},
+                                     "mix": {"name": "cowmix", "weight": omega, "conf_thresh": thresh}})
+        numbers = device_constants(path_numbers(cfg), torch.device("cpu"))
+        grads = []
+        for fn in (compiled, loss_terms):
+            xs = [t.clone().requires_grad_() for t in logits]
+            loss, stats = fn(xs, teacher, y, blend, cfg.perturb, cfg.mix, numbers)
+            loss.backward()
+            grads.append((loss.detach(), stats, [x.grad for x in xs]))
+        (a, sa, ga), (b, sb, gb) = grads
+        assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sb) and len(sb) == 6
+        assert all(torch.equal(p, q) for p, q in zip(ga, gb))
+        if thresh < 0:   # a threshold <= 0 lets every sample pass
+            assert sb["train/conf_rate"].item() == 1.0 and sb["train/mix_conf_rate"].item() == 1.0
+    assert counter.frame_count == 1

@@ -139,9 +139,9 @@ class TrainSettings:
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)
-    compile_inputs: bool = True       # compiled: the masks and mixing after their random draws, and the
-                                      # stacking of the student's batches, compiled as one function
-                                      # (trainables.step.student_inputs)
+    compile_masks_and_losses: bool = True  # compiled: the masks and mixing after their random draws with
+                                      # the stacking of the student's batches, and the losses, compiled too
+                                      # (trainables.step.student_inputs, loss_terms)
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 

@@ -18,11 +18,12 @@ from torch import nn
 
 from trainables import metrics as M
 from trainables.compile_lock import first_compile_lock, step_key
-from trainables.config import TrainConfig
+from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.ssl.ema import EmaPairs, ema_update_
-from trainables.ssl.losses import confidence_weight, mix_targets, squared_error
+from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
+from trainables.ssl.masks import device_constants
 from trainables.ssl.regularizers import Regularizer
 from trainables.step_graph import StepGraph
 from trainables.wgrad_stream import backward_on_side, side_stream_wanted
@@ -83,8 +84,9 @@ def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch
                    stacked: bool, channels_last: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The student's batches in the reference's call order (labeled, erased, mixed with the unlabeled batch
     rolled by one), stacked into one or not, in the model's memory format; and the mix blend. Everything
-    after the regularizers' random draws: compiled on a GPU (train.compile_inputs), one compilation for
-    every trial's numbers (they come as tensors in the draws), where eagerly it is some 40 small kernels."""
+    after the regularizers' random draws: compiled on a GPU (train.compile_masks_and_losses), one compilation
+    for every trial's numbers (they come as tensors in the draws), where eagerly it is some 40 small kernels on
+    the way to the student's first convolution."""
     xs = [x_sup] if x_sup is not None else []
     if perturb is not None:
         xs.append(perturb.perturb_drawn(x_unsup1, perturb_draws))
@@ -96,6 +98,45 @@ def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch
         xs = [torch.cat(xs)]
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return [x.contiguous(memory_format=fmt) for x in xs], blend
+
+
+def path_numbers(cfg: TrainConfig) -> tuple[float, ...]:
+    """What ``loss_terms`` reads of the paths' numbers: omega and the confidence threshold of each path
+    (0 for a path that is off)."""
+    return tuple(v for path in (cfg.perturb, cfg.mix)
+                 for v in ((path.weight, path.conf_thresh) if path is not None else (0.0, 0.0)))
+
+
+def loss_terms(logits: list[torch.Tensor], teacher_logits: torch.Tensor | None, y_sup: torch.Tensor | None,
+               blend: torch.Tensor | None, perturb: PerturbPath | None, mix: MixPath | None,
+               numbers: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss and its detached parts from the student's logits (``student_inputs``' order: labeled,
+    erased, mixed) and the teacher's float32 logits: cross-entropy on the labeled batch (``y_sup``; None leaves
+    it out), then each path's weighted consistency loss. The paths' numbers come as ``numbers``
+    (``path_numbers``): compiled with ``student_inputs``, one compilation serves every trial's; of the paths it
+    reads only the choices that shape the computation."""
+    stats = {}
+    logits = list(logits)
+    loss = torch.zeros((), device=numbers.device)
+    if y_sup is not None:
+        logits_sup = logits.pop(0)
+        loss_sup = F.cross_entropy(wide(logits_sup), y_sup)
+        stats[M.LOSS_SUP] = loss_sup.detach()
+        stats[M.ERR_SUP] = (logits_sup.argmax(1) != y_sup).float().mean()
+        loss = loss_sup
+    if perturb is not None:
+        teacher_probs = F.softmax(teacher_logits, dim=1)
+        weight, rate = confidence_weight(teacher_probs.max(1).values, numbers[1], perturb.conf_avg)
+        loss_cons = squared_error(logits.pop(0), teacher_probs, weight)
+        loss = loss + numbers[0] * loss_cons
+        stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
+    if mix is not None:
+        teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, mix.mix_logits, mix.conf_mode)
+        weight, rate = confidence_weight(confidence, numbers[3], mix.conf_avg)
+        loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, weight)
+        loss = loss + numbers[2] * loss_mix
+        stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
+    return loss, stats
 
 
 class StepRunner:
@@ -146,8 +187,10 @@ class StepRunner:
             if compiled else student
         self.teacher_forward = torch.compile(teacher, dynamic=False, options=self.inductor_options["teacher"]) \
             if compiled else teacher
-        self.student_inputs = torch.compile(student_inputs, dynamic=False) \
-            if compiled and cfg.train.compile_inputs else student_inputs
+        glue = compiled and cfg.train.compile_masks_and_losses
+        self.student_inputs = torch.compile(student_inputs, dynamic=False) if glue else student_inputs
+        self.loss_terms = torch.compile(loss_terms, dynamic=False) if glue else loss_terms
+        self.path_numbers = device_constants(path_numbers(cfg), device)
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -197,23 +240,23 @@ class StepRunner:
         return out
 
     def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The teacher's float32 logits (eval mode, no gradient), launched on the teacher's stream if it has one:
+        """The teacher's logits, float32 or wider (eval mode, no gradient), launched on the teacher's stream if it has one:
         the caller's stream must wait for that stream before it reads them."""
         stream = self.teacher_stream
         if stream is None:
             with torch.no_grad(), self.autocast:
-                return self.teacher_forward(self._x(x)).float()
+                return wide(self.teacher_forward(self._x(x)))
         # The teacher stream starts after all work queued so far (this step's batch, the last EMA update) and
         # allocates only here: a block it frees is reused by it after its next wait, when the main stream's
         # reads of the last step's logits are queued before that point.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad(), self.autocast:
-            return self.teacher_forward(self._x(x)).float()
+            return wide(self.teacher_forward(self._x(x)))
 
     def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
-        cfg, stats = self.cfg, {}
+        cfg = self.cfg
         perturb = cfg.perturb.regularizer if cfg.perturb is not None else None
         mix = cfg.mix.regularizer if cfg.mix is not None else None
         teacher_logits = None
@@ -231,28 +274,8 @@ class StepRunner:
         logits = self.student_logits(inputs, segments)
         if self.teacher_stream is not None and teacher_logits is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
-        loss = torch.zeros((), device=self.device)
-        if supervised:
-            logits_sup = logits.pop(0)
-            loss_sup = F.cross_entropy(logits_sup.float(), batch.y_sup)
-            stats[M.LOSS_SUP] = loss_sup.detach()
-            stats[M.ERR_SUP] = (logits_sup.argmax(1) != batch.y_sup).float().mean()
-            loss = loss_sup
-        if cfg.perturb is not None:
-            path = cfg.perturb
-            teacher_probs = F.softmax(teacher_logits, dim=1)
-            weight, rate = confidence_weight(teacher_probs.max(1).values, path.conf_thresh, path.conf_avg)
-            loss_cons = squared_error(logits.pop(0), teacher_probs, weight)
-            loss = loss + path.weight * loss_cons
-            stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
-        if cfg.mix is not None:
-            path = cfg.mix
-            teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, path.mix_logits, path.conf_mode)
-            weight, rate = confidence_weight(confidence, path.conf_thresh, path.conf_avg)
-            loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, weight)
-            loss = loss + path.weight * loss_mix
-            stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
-        return loss, stats
+        return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend,
+                               cfg.perturb, cfg.mix, self.path_numbers)
 
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """One optimiser step and one teacher update."""
@@ -274,7 +297,7 @@ class StepRunner:
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
-                        self.cfg.train.compile_inputs,
+                        self.cfg.train.compile_masks_and_losses,
                         sorted(self.inductor_options.get("student", {}).items()))
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 if it is narrower (bf16 logits under autocast), else as it is."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def squared_error(student_logits: torch.Tensor, target_probs: torch.Tensor,
                   weight: torch.Tensor) -> torch.Tensor:
     """(1/B) sum_i w_i sum_c (softmax(s)_ic - t_ic)^2: divided by the full batch, not by the passing count.
@@ -22,29 +27,28 @@ def squared_error(student_logits: torch.Tensor, target_probs: torch.Tensor,
         target_probs: (B, C) teacher probabilities (no gradient).
         weight: (B,) per-sample weights, or a scalar tensor.
     Returns:
-        scalar loss (float32).
+        scalar loss (float32, or float64 for float64 logits).
     """
-    diff = F.softmax(student_logits.float(), dim=1) - target_probs.float()
+    diff = F.softmax(wide(student_logits), dim=1) - wide(target_probs)
     per_sample = (diff * diff).sum(dim=1)
     return (per_sample * weight).mean()
 
 
-def confidence_weight(confidence: torch.Tensor, threshold: float, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def confidence_weight(confidence: torch.Tensor, threshold: float | torch.Tensor,
+                      average: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Which samples are confident enough to train on.
 
     pass_i = confidence_i > threshold (strict); a threshold <= 0 lets every sample pass.
 
     Args:
         confidence: (B,) confidence of the teacher.
+        threshold: a number or a 0-d tensor (compiled code then serves every threshold).
         average: False gives the per-sample 0/1 mask; True gives the fraction passing as one
             scalar weight for the whole batch (the reference's choice for mixing).
     Returns:
         (weight, pass_rate): weight is (B,) or a scalar tensor; pass_rate a scalar tensor.
     """
-    if threshold <= 0:
-        passed = torch.ones_like(confidence)
-    else:
-        passed = (confidence > threshold).to(confidence.dtype)
+    passed = ((confidence > threshold) | (threshold <= 0)).to(confidence.dtype)
     rate = passed.mean()
     return (rate if average else passed), rate
 
@@ -64,8 +68,8 @@ def mix_targets(teacher_logits: torch.Tensor, blend: torch.Tensor, mix_logits: b
     Returns:
         (target_probs (B, C), confidence (B,)).
     """
-    lam = blend.float()[:, None]
-    logits0 = teacher_logits.float()
+    lam = wide(blend)[:, None]
+    logits0 = wide(teacher_logits)
     logits1 = torch.roll(logits0, shifts=-1, dims=0)
     p0 = F.softmax(logits0, dim=1)
     p1 = torch.roll(p0, shifts=-1, dims=0)
