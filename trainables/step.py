@@ -190,7 +190,6 @@ class StepRunner:
         glue = compiled and cfg.train.compile_masks_and_losses
         self.student_inputs = torch.compile(student_inputs, dynamic=False) if glue else student_inputs
         self.loss_terms = torch.compile(loss_terms, dynamic=False) if glue else loss_terms
-        self.path_numbers = device_constants(path_numbers(cfg), device)
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -275,7 +274,7 @@ class StepRunner:
         if self.teacher_stream is not None and teacher_logits is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
         return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend,
-                               cfg.perturb, cfg.mix, self.path_numbers)
+                               cfg.perturb, cfg.mix, device_constants(path_numbers(cfg), self.device))
 
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """One optimiser step and one teacher update."""
