@@ -22,8 +22,8 @@ def test_operator_registrations_agree(channels_last):
     w = torch.randn(16, 16, 3, 3, dtype=torch.float64, requires_grad=True)
     if channels_last:   # as ``model.to(memory_format=torch.channels_last)`` leaves a convolution's weight
         w = w.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    torch.library.opcheck(torch.ops.cowtune.conv3x3.default, (x, w))
-    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv3x3(a, b), (x, w))
+    torch.library.opcheck(torch.ops.cowtune.conv3x3.default, (x, w, w))
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv3x3(a, b, b), (x, w))
 
 
 def test_switch_only_eligible_layers_and_keep_the_state_dict():
@@ -131,10 +131,10 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
         for table in ({}, {(op, 0, 32, 32, 4, 8): {"BM": 16, "SEGS": 2} for op in ("fprop", "dgrad", "wgrad")},
                       {("wgrad", 2, 32, 32, 4, 8): {"BM": 16}}):
             monkeypatch.setattr(module, "CONFIGS", table)
-            y = fast_conv._conv3x3_cuda(x, w)
+            y = fast_conv._conv3x3_cuda(x, w, w)
             assert y.is_contiguous(memory_format=torch.channels_last)
             torch.testing.assert_close(y, expect_y, rtol=1e-4, atol=1e-4)
-            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w)
+            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w, w)
             torch.testing.assert_close(dx, expect_dx, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(dw, expect_dw, rtol=1e-4, atol=1e-4)
             assert dw.dtype == w.dtype and dw.stride() == w.stride()
@@ -165,7 +165,7 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     x = torch.randn(2, 32, 4, 8).contiguous(memory_format=torch.channels_last)
     w = torch.randn(32, 32, 3, 3) / 17
     with pytest.warns(RuntimeWarning, match="cannot run here"):
-        y = fast_conv._conv3x3_cuda(x, w)
+        y = fast_conv._conv3x3_cuda(x, w, w)
     torch.testing.assert_close(y, F.conv2d(x, w, padding=1))
-    fast_conv._conv3x3_cuda(x, w)   # remembered: not tried again
+    fast_conv._conv3x3_cuda(x, w, w)   # remembered: not tried again
     assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}

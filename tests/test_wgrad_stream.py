@@ -22,9 +22,9 @@ def test_operator_registrations_agree(stride, padding, kernel, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(2, 4, 6, 5, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
     w = torch.randn(3, 4, kernel, kernel, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
-    args = (x, w, [stride, stride], [padding, padding])
+    args = (x, w, w, [stride, stride], [padding, padding])
     torch.library.opcheck(torch.ops.cowtune.conv2d.default, args)
-    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv2d(a, b, *args[2:]), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv2d(a, b, b, *args[3:]), (x, w))
     out = torch.ops.cowtune.conv2d(*args)
     torch.testing.assert_close(out, torch.nn.functional.conv2d(x, w, None, stride, padding), rtol=0, atol=0)
 
@@ -38,7 +38,7 @@ def test_output_and_input_gradient_keep_the_layouts_conv2d_gives(x_last, w_last)
 
     x = torch.randn(2, 4, 6, 6).contiguous(memory_format=fmt(x_last)).requires_grad_()
     w = torch.randn(8, 4, 3, 3).contiguous(memory_format=fmt(w_last)).requires_grad_()
-    y = torch.ops.cowtune.conv2d(x, w, [1, 1], [1, 1])
+    y = torch.ops.cowtune.conv2d(x, w, w, [1, 1], [1, 1])
     ref = torch.nn.functional.conv2d(x, w, None, 1, 1)
     assert y.stride() == ref.stride()
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))

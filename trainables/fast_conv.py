@@ -36,10 +36,12 @@ def output_format(x: Tensor) -> torch.memory_format:
 
 
 @torch.library.custom_op("cowtune::conv3x3", mutates_args=())
-def conv3x3(x: Tensor, w: Tensor) -> Tensor:
-    """conv2d(x, w, padding=1) for a (K, C, 3, 3) weight, without bias, computed in x's dtype (the weight
-    is cast to it, as autocast casts a convolution's weight)."""
-    return F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=format_of(x))
+def conv3x3(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
+    """conv2d(x, w, padding=1) for a (K, C, 3, 3) weight, without bias, computed in x's dtype with ``w_lo``: w
+    cast to it by the caller (as autocast casts a convolution's weight; inside a compiled model, Inductor
+    then casts all the weights in a few kernels, and the backward pass reuses the casts). The gradient goes
+    to w, in w's dtype."""
+    return F.conv2d(x, w_lo, padding=1).contiguous(memory_format=format_of(x))
 
 
 _FELL_BACK: set[tuple] = set()   # (op, N, C, K, H, W) whose row kernel cannot run on this GPU
@@ -67,58 +69,54 @@ def _rows(op: str, x_shape, c: int, k: int, run) -> Tensor | None:
 
 
 @conv3x3.register_kernel("cuda")
-def _conv3x3_cuda(x: Tensor, w: Tensor) -> Tensor:
+def _conv3x3_cuda(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
     from trainables import conv_rows
 
     x = x.contiguous(memory_format=torch.channels_last)
-    y = _rows("fprop", x.shape, x.shape[1], w.shape[0], lambda cfg: conv_rows.conv3x3_rows_fwd(x, w, config=cfg))
+    y = _rows("fprop", x.shape, x.shape[1], w.shape[0], lambda cfg: conv_rows.conv3x3_rows_fwd(x, w_lo, config=cfg))
     if y is None:
-        y = F.conv2d(x, w.to(x.dtype), padding=1).contiguous(memory_format=torch.channels_last)
+        y = F.conv2d(x, w_lo, padding=1).contiguous(memory_format=torch.channels_last)
     return y
 
 
 @conv3x3.register_fake
-def _conv3x3_fake(x: Tensor, w: Tensor) -> Tensor:
+def _conv3x3_fake(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
     n, _, h, wd = x.shape
     return torch.empty((n, w.shape[0], h, wd), dtype=x.dtype, device=x.device).contiguous(
         memory_format=output_format(x))
 
 
 @torch.library.custom_op("cowtune::conv3x3_backward", mutates_args=())
-def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx, dw) of ``conv3x3(x, w)`` for the output gradient ``dy``; dw in w's dtype."""
-    dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w.to(x.dtype), None, [1, 1], [1, 1], [1, 1], False,
+def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of ``conv3x3(x, w, w_lo)`` for the output gradient ``dy``; dw in w's dtype."""
+    dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
                                                     [0, 0], 1, [True, True, False])
     return dx.contiguous(memory_format=format_of(x)), dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
 
-def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor | None) -> Tensor:
-    """dw of ``conv3x3(x, w)`` in w's dtype and layout: the row kernel (float32) or cuDNN's (``w_lo``: w cast
-    to x's dtype already, or None)."""
+def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
+    """dw of ``conv3x3(x, w, w_lo)`` in w's dtype and layout: the row kernel's (float32) or cuDNN's."""
     from trainables import conv_rows
 
     c, k = x.shape[1], w.shape[0]
     dw = _rows("wgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg))
     if dw is None:
-        w_lo = w.to(x.dtype) if w_lo is None else w_lo
         dw = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
                                                  [0, 0], 1, [False, True, False])[1]
     return dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
 
 @conv3x3_backward.register_kernel("cuda")
-def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
     from trainables import conv_rows
 
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
     c, k = x.shape[1], w.shape[0]
     # on the side stream if it is on (trainables.wgrad_stream), forked before the input gradient
-    dw = on_side(lambda: _weight_grad(dy, x, w, None), dy, x)
-    dx = _rows("dgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w, config=cfg))
-    w_lo = None
+    dw = on_side(lambda: _weight_grad(dy, x, w, w_lo), dy, x, w_lo)
+    dx = _rows("dgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
     if dx is None:   # cuDNN where the row kernels do not compute it
-        w_lo = w.to(x.dtype)
         dx = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
                                                  [0, 0], 1, [True, False, False])[0]
     if dw is None:
@@ -127,18 +125,18 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Te
 
 
 @conv3x3_backward.register_fake
-def _conv3x3_backward_fake(dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+def _conv3x3_backward_fake(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
     return (torch.empty_like(x, memory_format=output_format(x)),
             torch.empty_like(w, memory_format=format_of(w)))
 
 
-def _setup_context(ctx, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+def _setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor]:
-    x, w = ctx.saved_tensors
-    return torch.ops.cowtune.conv3x3_backward(dy, x, w)
+def _backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, None]:
+    x, w, w_lo = ctx.saved_tensors
+    return *torch.ops.cowtune.conv3x3_backward(dy, x, w, w_lo), None
 
 
 conv3x3.register_autograd(_backward, setup_context=_setup_context)
@@ -146,13 +144,13 @@ conv3x3.register_autograd(_backward, setup_context=_setup_context)
 
 class TritonConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` (3x3, stride 1, padding 1, no bias) computed by ``cowtune::conv3x3``. Under autocast
-    the input is cast as autocast casts a convolution's; the weight is cast inside the operator (the row
-    kernels cast it as they read it), and its gradient comes back in the weight's own dtype."""
+    the input is cast as autocast casts a convolution's, and the weight to the input's dtype; its gradient comes
+    back in the weight's own dtype."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return torch.ops.cowtune.conv3x3(x, self.weight)
+        return torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
 
 
 def eligible(m: nn.Module) -> bool:

@@ -98,14 +98,15 @@ def conv_format(x: Tensor, w: Tensor) -> torch.memory_format:
 
 
 @torch.library.custom_op("cowtune::conv2d", mutates_args=())
-def conv2d(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
-    """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype (the weight is cast to it, as
-    autocast casts a convolution's weight)."""
-    return F.conv2d(x, w.to(x.dtype), None, stride, padding).contiguous(memory_format=conv_format(x, w))
+def conv2d(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype with ``w_lo``: w cast to it by the
+    caller (as autocast casts a convolution's weight; inside a compiled model, Inductor then casts all the
+    weights in a few kernels, and the backward pass reuses the casts). The gradient goes to w, in w's dtype."""
+    return F.conv2d(x, w_lo, None, stride, padding).contiguous(memory_format=conv_format(x, w))
 
 
 @conv2d.register_fake
-def _conv2d_fake(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+def _conv2d_fake(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     n, _, h, wd = x.shape
     kh, kw = w.shape[2:]
     size = (n, w.shape[0], (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
@@ -118,12 +119,10 @@ def _grads(dy: Tensor, x: Tensor, w_lo: Tensor, stride: list[int], padding: list
 
 
 @torch.library.custom_op("cowtune::conv2d_backward", mutates_args=())
-def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
+def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int],
                     input_grad: bool) -> tuple[Tensor, Tensor]:
-    """(dx, dw) of ``conv2d(x, w, stride, padding)`` for the output gradient ``dy``; dw in w's dtype and layout,
-    launched on the side stream when it is on; dx empty unless ``input_grad``."""
-    w_lo = w.to(x.dtype)   # cast once, before the side stream forks: both gradients use it
-
+    """(dx, dw) of ``conv2d(x, w, w_lo, stride, padding)`` for the output gradient ``dy``; dw in w's dtype and
+    layout, launched on the side stream when it is on; dx empty unless ``input_grad``."""
     def weight_grad() -> Tensor:
         dw = _grads(dy, x, w_lo, stride, padding, [False, True])[1]
         return dw.to(w.dtype).contiguous(memory_format=format_of(w))
@@ -135,21 +134,21 @@ def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding
 
 
 @conv2d_backward.register_fake
-def _conv2d_backward_fake(dy: Tensor, x: Tensor, w: Tensor, stride: list[int], padding: list[int],
+def _conv2d_backward_fake(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int],
                           input_grad: bool) -> tuple[Tensor, Tensor]:
     dx = torch.empty_like(x, memory_format=conv_format(x, w)) if input_grad else x.new_empty(0)
     return dx, torch.empty_like(w, memory_format=format_of(w))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, ctx.stride, ctx.padding = inputs
-    ctx.save_for_backward(x, w)
+    x, w, w_lo, ctx.stride, ctx.padding = inputs
+    ctx.save_for_backward(x, w, w_lo)
 
 
 def _backward(ctx, dy: Tensor):
-    x, w = ctx.saved_tensors
-    dx, dw = torch.ops.cowtune.conv2d_backward(dy, x, w, ctx.stride, ctx.padding, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None), dw, None, None
+    x, w, w_lo = ctx.saved_tensors
+    dx, dw = torch.ops.cowtune.conv2d_backward(dy, x, w, w_lo, ctx.stride, ctx.padding, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None
 
 
 conv2d.register_autograd(_backward, setup_context=_setup_context)
@@ -165,7 +164,7 @@ class StreamConv2d(nn.Conv2d):
             raise ValueError("StreamConv2d computes convolutions without bias (see stream_eligible)")
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return torch.ops.cowtune.conv2d(x, weight, list(self.stride), list(self.padding))
+        return torch.ops.cowtune.conv2d(x, weight, weight.to(x.dtype), list(self.stride), list(self.padding))
 
 
 _CLASSES: dict[type, type] = {nn.Conv2d: StreamConv2d}
