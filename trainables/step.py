@@ -239,8 +239,8 @@ class StepRunner:
         return out
 
     def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The teacher's logits, float32 or wider (eval mode, no gradient), launched on the teacher's stream if it has one:
-        the caller's stream must wait for that stream before it reads them."""
+        """The teacher's logits, float32 or wider (eval mode, no gradient), launched on the teacher's stream if it
+        has one: the caller's stream must wait for that stream before it reads them."""
         stream = self.teacher_stream
         if stream is None:
             with torch.no_grad(), self.autocast:

@@ -123,6 +123,7 @@ def conv2d_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, stride: list
                     input_grad: bool) -> tuple[Tensor, Tensor]:
     """(dx, dw) of ``conv2d(x, w, w_lo, stride, padding)`` for the output gradient ``dy``; dw in w's dtype and
     layout, launched on the side stream when it is on; dx empty unless ``input_grad``."""
+
     def weight_grad() -> Tensor:
         dw = _grads(dy, x, w_lo, stride, padding, [False, True])[1]
         return dw.to(w.dtype).contiguous(memory_format=format_of(w))

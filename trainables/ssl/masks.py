@@ -125,7 +125,10 @@ def box_masks_from(draws: dict[str, torch.Tensor], size: tuple[int, int], scale_
     """
     h, w = size
     top = draws["top"]
-    area = scale.expand(top.shape) if scale_mode == "fixed" else         draws["area"] if scale_mode == "random_area" else draws["area"] ** 2
+    if scale_mode == "fixed":
+        area = scale.expand(top.shape)
+    else:
+        area = draws["area"] if scale_mode == "random_area" else draws["area"] ** 2
     ar_sqrt = torch.exp(0.5 * ((-1.0 + 2.0 * draws["aspect"]) * torch.log(area.clamp_min(1e-8)))) \
         if "aspect" in draws else torch.ones_like(area)
     box_h = h * area.sqrt() * ar_sqrt
