@@ -119,3 +119,51 @@ def test_cow_masks_are_the_formula_bit_for_bit(size):
     for call in range(2):
         got = cow_masks(16, size, (4.0, 16.0), (0.25, 0.75), gen(call))
         assert torch.equal(got, _cow_masks_by_the_formula(16, size, (4.0, 16.0), (0.25, 0.75), gen(call)))
+
+
+def _box_masks_by_the_formula(n, size, scale_mode, scale, random_aspect, g):
+    """The box masks written out with their draws in the reference's order: area, aspect, top, left."""
+    h, w = size
+    area = torch.full((n,), scale) if scale_mode == "fixed" else \
+        torch.rand(n, generator=g) if scale_mode == "random_area" else torch.rand(n, generator=g) ** 2
+    log_ar = (-1.0 + 2.0 * torch.rand(n, generator=g)) * torch.log(area.clamp_min(1e-8)) if random_aspect else None
+    ar_sqrt = torch.exp(0.5 * log_ar) if random_aspect else torch.ones(n)
+    box_h, box_w = h * area.sqrt() * ar_sqrt, w * area.sqrt() / ar_sqrt
+    y0 = torch.rand(n, generator=g) * (h - box_h)
+    x0 = torch.rand(n, generator=g) * (w - box_w)
+    cy, cx = torch.arange(h) + 0.5, torch.arange(w) + 0.5
+    in_y = (cy[None] >= y0[:, None]) & (cy[None] <= (y0 + box_h)[:, None])
+    in_x = (cx[None] >= x0[:, None]) & (cx[None] <= (x0 + box_w)[:, None])
+    return (~(in_y[:, :, None] & in_x[:, None, :])).float().unsqueeze(1)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "random_area", "random_size"])
+@pytest.mark.parametrize("random_aspect", [True, False])
+def test_box_masks_are_the_formula(mode, random_aspect):
+    got = box_masks(64, (32, 24), mode, 0.3, random_aspect, gen(7))
+    assert torch.equal(got, _box_masks_by_the_formula(64, (32, 24), mode, 0.3, random_aspect, gen(7)))
+
+
+def _beta_by_the_formula(alpha, n, g):
+    """Beta(alpha, alpha) as two Gamma samples, each drawing eight rounds of normals, then of uniforms, then the
+    boost's uniforms (Marsaglia-Tsang on Gamma(alpha + 1))."""
+    d = alpha + 2.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+
+    def gamma():
+        x, u = torch.randn(8, n, generator=g), torch.rand(8, n, generator=g)
+        v = (1 + c * x) ** 3
+        ok = (v > 0) & (torch.log(u.clamp_min(1e-12)) < 0.5 * x * x + d - d * v + d * torch.log(v.clamp_min(1e-12)))
+        first = torch.argmax(ok.int(), dim=0)
+        sample = torch.where(ok.any(0), (d * v).gather(0, first[None]).squeeze(0), torch.tensor(d))
+        return sample * torch.rand(n, generator=g).clamp_min(1e-12) ** (1.0 / alpha)
+
+    a, b = gamma(), gamma()
+    return a / (a + b).clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("alpha", [0.1, 1.0, 2.0])
+def test_beta_sample_is_the_formula(alpha):
+    # to rounding: a number as a power's exponent takes other code paths than a tensor (2.0: 1 ulp apart)
+    torch.testing.assert_close(beta_sample(alpha, 256, gen(9)), _beta_by_the_formula(alpha, 256, gen(9)),
+                               rtol=1e-6, atol=1e-7)

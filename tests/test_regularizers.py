@@ -80,3 +80,18 @@ def test_from_dict_is_strict():
         regularizer_from_dict({"name": "cowmix", "sigma_rang": [2, 8]}, prefix="mix")
     with pytest.raises(ConfigError, match=r"mix.prop_range must satisfy 0.0 <= low <= high <= 1.0, got \(0.8, 0.2\)"):
         regularizer_from_dict({"name": "cowmix", "prop_range": [0.8, 0.2]}, prefix="mix")
+
+
+@pytest.mark.parametrize("name", ["cowout", "randerase"])
+def test_erasure_draws_its_mask_then_which_samples_then_the_fill(name):
+    from trainables.ssl.masks import box_masks, cow_masks
+
+    reg = REGULARIZERS[name](apply_prob=0.6, noise_std=0.5)
+    x = torch.randn(16, 3, 32, 32, generator=gen(10))
+    g = gen(11)
+    keep = cow_masks(16, (32, 32), reg.sigma_range, reg.prop_range, g) if name == "cowout" else \
+        box_masks(16, (32, 32), reg.scale_mode, reg.scale, reg.random_aspect, g)
+    applied = torch.rand(16, 1, 1, 1, generator=g) < 0.6
+    keep = torch.where(applied, keep, torch.ones_like(keep))
+    fill = torch.randn(x.shape, generator=g) * 0.5
+    assert torch.equal(reg.perturb(x, gen(11)), x * keep + fill * (1 - keep))

@@ -94,7 +94,24 @@ def test_loss_terms_compile_once_for_every_trials_numbers():
             grads.append((loss.detach(), stats, [x.grad for x in xs]))
         (a, sa, ga), (b, sb, gb) = grads
         assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sb) and len(sb) == 6
+        torch.testing.assert_close(b, _loss_by_hand(logits, teacher, y, blend, omega / 10, omega, thresh))
         assert all(torch.equal(p, q) for p, q in zip(ga, gb))
         if thresh < 0:   # a threshold <= 0 lets every sample pass
             assert sb["train/conf_rate"].item() == 1.0 and sb["train/mix_conf_rate"].item() == 1.0
     assert counter.frame_count == 1
+
+
+def _loss_by_hand(logits, teacher, y, blend, omega_perturb, omega_mix, thresh):
+    """The step's loss written out with numbers (cowout with per-sample confidence, cowmix with the batch's
+    pass rate and blended confidences; their defaults)."""
+    p = torch.softmax(teacher, 1)
+    lam = blend[:, None]
+    p_partner = torch.roll(p, -1, 0)
+
+    def passing(conf):
+        return torch.ones_like(conf) if thresh <= 0 else (conf > thresh).float()
+
+    conf_mix = p.max(1).values + (p_partner.max(1).values - p.max(1).values) * blend
+    cons = ((torch.softmax(logits[1], 1) - p) ** 2).sum(1) * passing(p.max(1).values)
+    mix = ((torch.softmax(logits[2], 1) - (p + (p_partner - p) * lam)) ** 2).sum(1) * passing(conf_mix).mean()
+    return torch.nn.functional.cross_entropy(logits[0], y) + omega_perturb * cons.mean() + omega_mix * mix.mean()

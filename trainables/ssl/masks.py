@@ -28,6 +28,9 @@ def device_constants(values: tuple[float, ...], device: torch.device) -> torch.T
 
 @functools.cache
 def _constants(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the device constants {values} were first asked for while a CUDA graph captures, "
+                           "which cannot copy them from the host: make them in the passes before the capture")
     return torch.tensor(values, dtype=dtype, device=device)
 
 

@@ -12,7 +12,8 @@ arXiv:2003.12022. Two verbs (after the authors' ``masking/regularizers.py``):
 Each verb is two halves: ``draw(x, gen)``, every random number it uses (and its own numbers as a
 device tensor, "numbers"), then ``perturb_drawn`` / ``mix_drawn``, the arithmetic on them with no
 generator. The trainer compiles the second half; so that one compilation serves every trial, it
-reads of ``self`` only what decides the shape of the computation (a box's scale mode), never a number.
+reads of ``self`` only what decides the shape of the computation (a box's scale mode), never a number's
+value (whether a part is on at all, noise or apply_prob < 1, shows as which draws there are).
 
 "supervised" is not a regularizer: it is a config with neither path.
 """
