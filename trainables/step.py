@@ -111,7 +111,7 @@ def loss_terms(logits: list[torch.Tensor], teacher_logits: torch.Tensor | None, 
                blend: torch.Tensor | None, perturb: PerturbPath | None, mix: MixPath | None,
                numbers: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss and its detached parts from the student's logits (``student_inputs``' order: labeled,
-    erased, mixed) and the teacher's float32 logits: cross-entropy on the labeled batch (``y_sup``; None leaves
+    erased, mixed) and the teacher's logits (float32 or wider): cross-entropy on the labeled batch (``y_sup``; None leaves
     it out), then each path's weighted consistency loss. The paths' numbers come as ``numbers``
     (``path_numbers``): compiled with ``student_inputs``, one compilation serves every trial's; of the paths it
     reads only the choices that shape the computation."""
@@ -224,11 +224,12 @@ class StepRunner:
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         return x.contiguous(memory_format=self.memory_format)
 
-    def student_logits(self, inputs: list[torch.Tensor], segments: list[tuple[int, bool]]) -> list[torch.Tensor]:
+    def student_logits(self, inputs: list[torch.Tensor], segments: list[tuple[int, bool]],
+                       stacked: bool) -> list[torch.Tensor]:
         """The student's logits for each (batch size, updates BN running stats) in the reference's call order,
-        from ``student_inputs``: one stacked batch, called once with per-batch batch-norm statistics, or one
+        from ``student_inputs``: one ``stacked`` batch, called once with per-batch batch-norm statistics, or one
         batch per call."""
-        if len(inputs) == 1 and len(segments) > 1:
+        if stacked:
             with batch_segments(self.stacked_bns, tuple(segments)), self.autocast:
                 logits = self.student_forward(inputs[0])
             return list(logits.split([n for n, _ in segments]))
@@ -265,12 +266,13 @@ class StepRunner:
         segments = [(batch.x_sup.shape[0], True)] if supervised else []
         segments += [(batch.x_unsup1.shape[0], True)] if perturb is not None else []
         segments += [(batch.x_unsup0.shape[0], perturb is None)] if mix is not None else []
+        stacked = self.stacked_bns is not None and len(segments) > 1
         inputs, blend = self.student_inputs(
             batch.x_sup if supervised else None, batch.x_unsup1, batch.x_unsup0,
             perturb, perturb.draw(batch.x_unsup1, gen) if perturb is not None else None,
             mix, mix.draw(batch.x_unsup0, gen) if mix is not None else None,
-            self.stacked_bns is not None and len(segments) > 1, self.memory_format == torch.channels_last)
-        logits = self.student_logits(inputs, segments)
+            stacked, self.memory_format == torch.channels_last)
+        logits = self.student_logits(inputs, segments, stacked)
         if self.teacher_stream is not None and teacher_logits is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
         return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend,
