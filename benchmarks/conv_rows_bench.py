@@ -37,9 +37,11 @@ WRN_SHAPES = [  # (N, C, K, H, W): the student's stacked call (512) and the teac
     (512, 32, 32, 32, 32), (512, 64, 64, 16, 16), (512, 128, 128, 8, 8),
     (256, 32, 32, 32, 32), (256, 64, 64, 16, 16), (256, 128, 128, 8, 8),
     (512, 16, 32, 32, 32), (256, 16, 32, 32, 32),    # the first block's first convolution
+    (512, 3, 16, 32, 32), (256, 3, 16, 32, 32),      # the stem, on the images (no input gradient)
 ]
+IMAGE_OPS = ("fprop", "wgrad")   # the ops of a convolution on 1-3 channels (a stem's: its input needs no gradient)
 SMEM_LIMIT = 232448   # bytes of shared memory a program may use on an H100 (227 KiB)
-TINY_SHAPES = [(3, 16, 32, 8, 8), (2, 32, 16, 4, 16)]
+TINY_SHAPES = [(3, 16, 32, 8, 8), (2, 32, 16, 4, 16), (2, 3, 16, 4, 8)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (float32 on cpu)")
     p.add_argument("--shapes", default="0,1,3,4",
                    help="comma-separated shape indices (0-5: N=512 C=32,64,128, then N=256; 6, 7: C=16 K=32 "
-                        "at N=512, 256)")
+                        "at N=512, 256; 8, 9: the stem, C=3 K=16, at N=512, 256)")
     p.add_argument("--ops", default="fprop,dgrad,wgrad,fprop_bn,wgrad_bn",
                    help="fprop, dgrad, wgrad, and fprop_bn, wgrad_bn: with the batch-norm + ReLU prologue")
     p.add_argument("--teacher-ops", default="fprop", help="ops timed at N=256 (the teacher only runs forward)")
@@ -94,7 +96,7 @@ def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> li
     tiles whose three float32 [4C, BN] sums would need over 200 registers a thread."""
     if tiny:
         return [{"BM": max(16, w), "SEGS": s} for s in (1, 2) if h % s == 0]
-    c_in, c_out = (k, c) if op == "dgrad" else (c, k)
+    c_in, c_out = (k, c) if op == "dgrad" else (max(c, 4), k)   # 1-3 channels: a 4-channel tile
     stages = (1, 2) if op == "wgrad" else (2, 3)
     bms = (32, 64, 128) if c_in >= 128 else (64, 128)
     bns = sorted({c_out, c_out // 2, c_out // 4, c_out // 8} if c_in >= 128 else {c_out, c_out // 2})
@@ -191,6 +193,11 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
         timed = [r for r in entry["configs"] if "us" in r and r["rel_err"] <= REL_ERR_FLAG]
         if timed:
             entry["best"] = min(timed, key=lambda r: r["us"])
+        if op == "wgrad" and device == "cuda" and table:   # its partial sums' reduction: torch's and ours
+            imgs, rows, _, _ = cr._resolve(table, cr.DEFAULT_WGRAD, h, w, k)
+            part = torch.randn(math.ceil(n / imgs) * (h // rows), k, 9, c, device=device, generator=g)
+            entry["partials"] = {"shape": list(part.shape), "torch_sum_us": time_graph(lambda: part.sum(dim=0), rep_ms),
+                                 "ours_us": time_graph(lambda: cr._sum_partials(part), rep_ms)}
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
 
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for shape in shapes:
         ops = args.ops.split(",") if shape[0] >= 512 or args.tiny else args.teacher_ops.split(",")
+        ops = [op for op in ops if shape[1] >= 4 or op in IMAGE_OPS]
         try:
             r = run_shape(shape, args.device, dtype, peak_bw, ops, args.tiny, args.rep_ms, args.table_only)
         except Exception as e:

@@ -93,8 +93,9 @@ def test_conv_kernel_benchmark_tiny_cpu(tmp_path):
                         "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
-    assert len(results) == 2
-    assert all(set(row["ops"]) == {"fprop", "dgrad", "wgrad", "fprop_bn", "wgrad_bn"} for row in results)
+    assert len(results) == 3
+    assert all(set(row["ops"]) == {"fprop", "dgrad", "wgrad", "fprop_bn", "wgrad_bn"} for row in results[:2])
+    assert set(results[2]["ops"]) == {"fprop", "wgrad"}   # a stem's, on 3 channels: no input gradient
     for row in results:
         for name, op in row["ops"].items():
             assert op["configs"], (row["shape"], name)

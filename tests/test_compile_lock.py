@@ -128,3 +128,25 @@ def test_a_stuck_compilation_is_waited_for_only_so_long(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_operator_changes_key_the_compile_caches(tmp_path, monkeypatch):
+    """Importing the operators puts their sources' hash into torch.compile's cache-key tag (a tag the user set is
+    kept), and the hash follows the sources: a cached backward of an older operator is never loaded."""
+    import torch.compiler.config as compiler
+
+    import trainables.compile_lock as cl
+    import trainables.fast_conv  # noqa: F401   (tags the caches on import)
+
+    ours = f"cowtune-operators-{cl.operators_version()}"
+    assert ours in compiler.cache_key_tag
+    monkeypatch.setattr(compiler, "cache_key_tag", "users-own")
+    cl.tag_compile_caches()
+    cl.tag_compile_caches()
+    assert compiler.cache_key_tag == f"users-own+{ours}"
+    for name in cl.OPERATOR_SOURCES:
+        (tmp_path / name).write_bytes((Path(cl.__file__).parent / name).read_bytes())
+    monkeypatch.setattr(cl, "__file__", str(tmp_path / "compile_lock.py"))
+    assert cl.operators_version() == ours.rsplit("-", 1)[1]
+    (tmp_path / "fast_conv.py").write_text("# changed\n", encoding="utf-8")
+    assert cl.operators_version() != ours.rsplit("-", 1)[1]

@@ -62,6 +62,8 @@ CASES = [
     (5, 64, 32, 8, 4, {"BM": 16, "SEGS": 4, "BN": 16}),
     (3, 16, 16, 6, 8, {"BM": 32, "SEGS": 3, "BN": 16}),
     (2, 4, 48, 2, 2, {"BM": 16, "SEGS": 1, "BN": 16}),
+    (3, 3, 16, 8, 8, {"BM": 16, "SEGS": 2}),   # an image's channels (the stem) in a 4-channel tile
+    (2, 1, 32, 4, 8, {"BM": 16, "SEGS": 1, "BN": 16}),
 ]
 
 
@@ -157,6 +159,9 @@ def test_table_lookup_prefers_the_batch_then_any_batch(monkeypatch):
     (lambda x, wt, dy: cr.conv3x3_rows_wgrad(dy.half(), x), "share device and dtype"),
     (lambda x, wt, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 24, 8, 8)), torch.randn(32, 24, 3, 3)),
      "power-of-two number of input channels"),
+    (lambda x, wt, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(2, 3, 8, 8)), torch.randn(32, 3, 3, 3), torch.ones(3),
+                                           torch.ones(3)), "prologue needs a power-of-two number of channels"),
+    (lambda x, wt, dy: cr.conv3x3_rows_dgrad(dy, torch.randn(32, 3, 3, 3)), "multiple of 16 output channels"),
     (lambda x, wt, dy: cr.conv3x3_rows_fwd(_cl(torch.randn(1, 16, 6, 6)), torch.randn(32, 16, 3, 3)),
      "power-of-two width"),
     (lambda x, wt, dy: cr.conv3x3_rows_fwd(x, torch.randn(32, 16, 1, 1)), "only 3x3 kernels"),
@@ -174,6 +179,7 @@ def test_bad_input_gets_one_clear_message(call, match):
 def test_supports_says_beforehand():
     assert cr.supports((8, 32, 32, 32), 32)
     assert not cr.supports((8, 24, 32, 32), 32)        # C not a power of two
+    assert cr.supports((8, 3, 32, 32), 16)             # an image's channels
     assert not cr.supports((8, 32, 32, 32), 24)        # K not a multiple of 16
     assert not cr.supports((8, 32, 30, 30), 32)        # W not a power of two
     assert not cr.supports((8, 32, 32, 32), 32, {"BM": 16})   # a tile narrower than an image row

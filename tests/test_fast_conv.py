@@ -23,6 +23,10 @@ def test_operator_registrations_agree(channels_last):
     if channels_last:   # as ``model.to(memory_format=torch.channels_last)`` leaves a convolution's weight
         w = w.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
     torch.library.opcheck(torch.ops.cowtune.conv3x3.default, (x, w, w))
+    dy = torch.randn(1, 16, 4, 3, dtype=torch.float64)
+    for input_grad in (True, False):   # False: a first layer's, whose input needs no gradient
+        torch.library.opcheck(torch.ops.cowtune.conv3x3_backward.default, (dy, x.detach(), w.detach(), w.detach(),
+                                                                           input_grad))
     assert torch.autograd.gradcheck(lambda a, b: torch.ops.cowtune.conv3x3(a, b, b), (x, w))
 
 
@@ -30,15 +34,16 @@ def test_switch_only_eligible_layers_and_keep_the_state_dict():
     torch.manual_seed(0)
     model = create_model("wrn28_2", 10)
     keys = list(model.state_dict())
-    # WRN-28-2: 25 3x3 convolutions; the stem (3 channels in) and the two stride-2 ones stay cuDNN's
-    assert use_triton_convs(model) == 22
+    # WRN-28-2: 25 3x3 convolutions; the two stride-2 ones stay cuDNN's (the stem, on 3 channels, is switched)
+    assert use_triton_convs(model) == 23
     assert list(model.state_dict()) == keys
     assert sorted((m.in_channels, m.kernel_size, m.stride) for m in model.modules() if type(m) is nn.Conv2d) == [
-        (3, (3, 3), (1, 1)), (16, (1, 1), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
+        (16, (1, 1), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
         (64, (1, 1), (2, 2)), (64, (3, 3), (2, 2))]
     assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(48, 32, 3, 1, 1, bias=False))
     assert not eligible(nn.Conv2d(32, 24, 3, 1, 1, bias=False)) and not eligible(nn.Conv2d(32, 32, 3, 2, 1, bias=False))
-    assert eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False))
+    assert eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False)) and eligible(nn.Conv2d(3, 16, 3, 1, 1, bias=False))
+    assert not eligible(nn.Conv2d(3, 8, 3, 1, 1, bias=False))
 
 
 def test_setting_switches_only_on_the_gpus_the_table_was_measured_on(monkeypatch):
@@ -53,8 +58,8 @@ def test_setting_switches_only_on_the_gpus_the_table_was_measured_on(monkeypatch
     for graphs in ("model", "none"):   # launched one by one, Triton's launcher costs more than they save
         assert apply_conv_kernels(model, "triton", graphs, cuda) == 0
     assert not any(type(m) is TritonConv2d for m in model.modules())
-    assert apply_conv_kernels(model, "triton", "step", cuda) == 22
-    assert sum(type(m) is TritonConv2d for m in model.modules()) == 22
+    assert apply_conv_kernels(model, "triton", "step", cuda) == 23
+    assert sum(type(m) is TritonConv2d for m in model.modules()) == 23
 
 
 def test_switched_model_computes_the_same_forward_and_backward():
@@ -134,10 +139,13 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
             y = fast_conv._conv3x3_cuda(x, w, w)
             assert y.is_contiguous(memory_format=torch.channels_last)
             torch.testing.assert_close(y, expect_y, rtol=1e-4, atol=1e-4)
-            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w, w)
+            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w, w, True)
             torch.testing.assert_close(dx, expect_dx, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(dw, expect_dw, rtol=1e-4, atol=1e-4)
             assert dw.dtype == w.dtype and dw.stride() == w.stride()
+            dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w, w, False)   # a first layer's: no input gradient
+            assert dx.numel() == 0
+            torch.testing.assert_close(dw, expect_dw, rtol=1e-4, atol=1e-4)
     finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
         if before is None:
             del sys.modules["trainables.conv_rows"]

@@ -78,3 +78,30 @@ def first_compile_lock(key: str, enabled: bool = True, max_wait_s: float = MAX_W
 def step_key(*parts: object) -> str:
     """A short name for what a step's compiled graphs depend on (model, shapes, settings, torch version)."""
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+# Our operators whose autograd formulas and fake implementations the compiled graphs call: Dynamo's graph names
+# an operator, not what its backward does, so Inductor's and AOTAutograd's on-disk caches cannot tell when these
+# change (a cached backward of the old code would call the new operator with the old arguments).
+OPERATOR_SOURCES = ("fast_conv.py", "wgrad_stream.py")
+
+
+def operators_version() -> str:
+    """A hash of ``OPERATOR_SOURCES``: part of every compile-cache key (``tag_compile_caches``) and of the
+    first-compile marker's, so a changed operator compiles afresh instead of loading code cached for the old one."""
+    digest = hashlib.sha256()
+    for name in OPERATOR_SOURCES:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tag_compile_caches() -> None:
+    """Add ``operators_version()`` to torch.compile's cache-key tag (``torch.compiler.config.cache_key_tag``,
+    in every on-disk cache's key; a tag the user set is kept before it)."""
+    import torch.compiler.config as compiler
+
+    if not hasattr(compiler, "cache_key_tag"):   # an older torch: its caches are not keyed by a tag
+        return
+    ours = f"cowtune-operators-{operators_version()}"
+    if ours not in compiler.cache_key_tag:
+        compiler.cache_key_tag = f"{compiler.cache_key_tag}+{ours}" if compiler.cache_key_tag else ours

@@ -23,11 +23,12 @@ memory, bounds it. The kernels here read each input row about once:
 The input gradient of a stride-1 pad-1 convolution is the same convolution of dy with the flipped,
 channel-swapped weight. The weight gradient walks the rows the same way: each input row meets the
 output-gradient rows below, at and above it (two carried from earlier steps) in three
-[4C, pixels] x [pixels, K] products; each program stores its float32 partial sums and one torch
-reduction adds them, so the result is deterministic (no atomics).
+[4C, pixels] x [pixels, K] products; each program stores its float32 partial sums and a second kernel
+adds them in a fixed order, so the result is deterministic (no atomics).
 
 Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): NHWC
-(channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4; K a multiple of
+(channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4, or 1-3 (an image's:
+the tile holds 4, the rest zero); K a multiple of
 16; W a power of two; a tile of BM pixels (a power of two >= 16 and a multiple of W) and H divisible
 by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
 benchmarks/conv_rows_bench.py --table-only; docs/performance.md): at N=512, 32 channels, 32x32,
@@ -63,9 +64,20 @@ _LAST_KERNEL: dict[str, Any] = {}   # the last launched kernel per name ("fwd", 
 
 
 @triton.jit
-def _wide_ok(i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr):
+def _wide_ok(i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr, CM: tl.constexpr):
     c2 = col[:, None] + (j // CH - 1)[None, :]
-    return img_ok[:, None] & (i >= 0) & (i < H) & (c2 >= 0) & (c2 < W) & (j < 3 * CH)[None, :]
+    ok = img_ok[:, None] & (i >= 0) & (i < H) & (c2 >= 0) & (c2 < W) & (j < 3 * CH)[None, :]
+    if CM < CH:   # an image's 1-3 channels in a 4-channel tile: the rest are zero
+        ok = ok & (j % CH < CM)[None, :]
+    return ok
+
+
+@triton.jit
+def _wide_at(base, i, j, W: tl.constexpr, CH: tl.constexpr, CM: tl.constexpr):
+    """The [pixels, 4CH] offsets of row i's wide tile (see ``_wide_tile``) in an NHWC tensor of CM channels."""
+    if CM == CH:   # one contiguous span of 4CH elements per pixel
+        return (base + i * W - 1)[:, None] * CH + j[None, :]
+    return (base + i * W - 1)[:, None] * CM + ((j // CH) * CM + j % CH)[None, :]
 
 
 @triton.jit
@@ -80,21 +92,22 @@ def _prologue(a, ok, sc, sh, PROLOGUE: tl.constexpr):
 
 @triton.jit
 def _wide_tile(ptr, base, i, col, img_ok, j, sc, sh, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr,
-               PROLOGUE: tl.constexpr):
+               CM: tl.constexpr, PROLOGUE: tl.constexpr):
     """Row i of each image as a [pixels, 4CH] tile: column j is channel j % CH of the pixel
-    j // CH - 1 places to the right; zero outside the image and in the fourth pixel's columns.
+    j // CH - 1 places to the right; zero outside the image, in the fourth pixel's columns and, when
+    the tensor has CM < CH channels, in the columns of channels CM..CH-1.
     With the prologue, relu(x * sc + sh) (sc, sh: per column)."""
-    ok = _wide_ok(i, col, img_ok, j, H, W, CH)
-    a = tl.load(ptr + (base + i * W - 1)[:, None] * CH + j[None, :], mask=ok, other=0.0)
+    ok = _wide_ok(i, col, img_ok, j, H, W, CH, CM)
+    a = tl.load(ptr + _wide_at(base, i, j, W, CH, CM), mask=ok, other=0.0)
     return _prologue(a, ok, sc[None, :], sh[None, :], PROLOGUE)
 
 
 @triton.jit
 def _wide_tile_t(ptr, base, i, col, img_ok, j, sc, sh, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr,
-                 PROLOGUE: tl.constexpr):
+                 CM: tl.constexpr, PROLOGUE: tl.constexpr):
     """The [4CH, pixels] transpose of ``_wide_tile``, loaded as such."""
-    ok = tl.trans(_wide_ok(i, col, img_ok, j, H, W, CH))
-    a = tl.load(ptr + tl.trans((base + i * W - 1)[:, None] * CH + j[None, :]), mask=ok, other=0.0)
+    ok = tl.trans(_wide_ok(i, col, img_ok, j, H, W, CH, CM))
+    a = tl.load(ptr + tl.trans(_wide_at(base, i, j, W, CH, CM)), mask=ok, other=0.0)
     return _prologue(a, ok, sc[:, None], sh[:, None], PROLOGUE)
 
 
@@ -132,16 +145,17 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
                           W_OFF, W_SR, W_SS, W_SC, W_SK,
                           H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                           IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PROLOGUE: tl.constexpr):
+                          PROLOGUE: tl.constexpr, CM: tl.constexpr):
     """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1]) @ B_r[:, k] for IMGS images, a band
-    of ROWS output rows and BLOCK_N output channels. B_r[s * C + c, k] (s < 3) is the weight element
+    of ROWS output rows and BLOCK_N output channels. B_r[s * C + c, k] (s < 3, c < CM) is the weight element
     at w_ptr + W_OFF + r * W_SR + s * W_SS + c * W_SC + k * W_SK, read and cast here (the weight's
-    own layout and dtype: no packing pass); rows 3C..4C-1 are zero."""
+    own layout and dtype: no packing pass); rows 3C..4C-1, and those of channels CM..C-1, are zero. x has
+    CM channels (C, or 1-3 in a tile of C = 4)."""
     BM: tl.constexpr = IMGS * W
     rest, r0, n0, col, img_ok, base, offs_n, j = _program_tile(N, H, W, C, K, IMGS, ROWS, BLOCK_N)
     sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
     wr = w_ptr + W_OFF + ((j // C) * W_SS + (j % C) * W_SC)[:, None] + offs_n[None, :] * W_SK
-    w_ok = (j < 3 * C)[:, None]
+    w_ok = ((j < 3 * C) & (j % C < CM))[:, None]
     dt = x_ptr.dtype.element_ty
     w_lo = tl.load(wr, mask=w_ok, other=0.0).to(dt)                # kernel row 0: feeds output row i + 1
     w_mid = tl.load(wr + W_SR, mask=w_ok, other=0.0).to(dt)        # kernel row 1: output row i
@@ -150,7 +164,7 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
     acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     for t in range(ROWS + 2):
         i = r0 - 1 + t                # the input row of this step
-        a = _wide_tile(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, PROLOGUE)
+        a = _wide_tile(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, CM, PROLOGUE)
         acc_lo = tl.dot(a, w_lo)
         acc_mid = tl.dot(a, w_mid, acc_mid)
         acc_hi = tl.dot(a, w_hi, acc_hi)
@@ -165,9 +179,9 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
 def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SEG,
                             H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                             IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                            PROLOGUE: tl.constexpr):
+                            PROLOGUE: tl.constexpr, CM: tl.constexpr):
     """part[program, k, 3r + s, c]: this program's share of the weight gradient
-    sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c]."""
+    sum over n, o, col of dy[n, o, col, k] * x[n, o + r - 1, col + s - 1, c] (c < CM: x's channels)."""
     BM: tl.constexpr = IMGS * W
     JC: tl.constexpr = 4 * C
     rest, r0, n0, col, img_ok, base, offs_k, j = _program_tile(N, H, W, C, K, IMGS, ROWS, BLOCK_N)
@@ -183,18 +197,38 @@ def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SE
         d_ok = img_ok & (o >= r0) & (o < r0 + ROWS)
         d_next = tl.load(dy_ptr + (base + o * W)[:, None] * K + offs_k[None, :],
                          mask=d_ok[:, None], other=0.0)
-        at = _wide_tile_t(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, PROLOGUE)
+        at = _wide_tile_t(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, CM, PROLOGUE)
         g_lo = tl.dot(at, d_next, g_lo)
         g_mid = tl.dot(at, d_cur, g_mid)
         g_hi = tl.dot(at, d_prev, g_hi)
         d_prev = d_cur
         d_cur = d_next
-    # Row j of g_r is tap 3r + j // C, channel j % C: at k * 9C + r * 3C + j in the partials.
-    out = part_ptr + rest * (K * 9 * C) + offs_k[None, :] * (9 * C) + j[:, None]
-    ok = (j < 3 * C)[:, None]
+    # Row j of g_r is tap 3r + j // C, channel j % C: at k * 9CM + r * 3CM + (j // C) * CM + j % C in the
+    # partials (k * 9C + r * 3C + j when CM = C).
+    out = part_ptr + rest * (K * 9 * CM) + offs_k[None, :] * (9 * CM) + ((j // C) * CM + j % C)[:, None]
+    ok = ((j < 3 * C) & (j % C < CM))[:, None]
     tl.store(out, g_lo, mask=ok)
-    tl.store(out + 3 * C, g_mid, mask=ok)
-    tl.store(out + 6 * C, g_hi, mask=ok)
+    tl.store(out + 3 * CM, g_mid, mask=ok)
+    tl.store(out + 6 * CM, g_hi, mask=ok)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, P, M, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out[m] = sum over p of part[p, m] (float32), BLOCK_M columns per program, in a fixed order: the
+    same result every run."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, BLOCK_P)
+    acc = tl.full((BLOCK_P, BLOCK_M), 0.0, tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + offs_p
+        ok = (p < P)[:, None] & (offs_m < M)[None, :]
+        acc += tl.load(part_ptr + p[:, None] * M + offs_m[None, :], mask=ok, other=0.0)
+    tl.store(out_ptr + offs_m, tl.reduce(acc, 0, _add), mask=offs_m < M)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +302,7 @@ def supports(shape: tuple[int, ...], k: int, config: dict | None = None) -> bool
         return False
     _, c, h, w = shape
     try:
-        _check_channels(c, k)
+        _tile_channels(c, k)
         _resolve(config, DEFAULT_FWD, h, w, k)
     except ValueError:
         return False
@@ -297,18 +331,24 @@ def _check_activation(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has {t.numel()} elements; int32 indexing allows fewer than 2**31")
 
 
-def _check_channels(c: int, k: int) -> None:
-    if c < 4 or c & (c - 1):
-        raise ValueError(f"the row kernels need a power-of-two number of input channels >= 4, got {c}")
+def _tile_channels(c: int, k: int) -> int:
+    """The channels of the kernels' wide tile for C input channels: C, a power of two >= 4, or 4 for
+    1-3 (an image's; the tile's other columns are zero). ValueError for other C or K."""
+    if c < 1 or (c >= 4 and c & (c - 1)):
+        raise ValueError(f"the row kernels need a power-of-two number of input channels >= 4 (or 1-3, an "
+                         f"image's), got {c}")
     if k % 16:
         raise ValueError(f"the row kernels need a multiple of 16 output channels, got {k}")
+    return max(c, 4)
 
 
-def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, imgs: int,
+def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, tile_c: int, imgs: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(scale, shift as contiguous float32 (S, C), images per segment), or None without a prologue."""
     if scale is None and shift is None:
         return None
+    if tile_c != c:
+        raise ValueError(f"the batch-norm + ReLU prologue needs a power-of-two number of channels >= 4, got {c}")
     if scale is None or shift is None:
         raise ValueError("scale and shift go together: pass both (the prologue) or neither")
     if not isinstance(scale, torch.Tensor) or not isinstance(shift, torch.Tensor) or scale.shape != shift.shape \
@@ -338,17 +378,17 @@ def _check_weight(w: torch.Tensor, device: torch.device) -> None:
 def _launch_fwd(x: torch.Tensor, w: torch.Tensor, k: int, w_args: tuple[int, ...],
                 affine_in: tuple[torch.Tensor | None, torch.Tensor | None], config: dict | None) -> torch.Tensor:
     n, c, h, wd = x.shape
-    _check_channels(c, k)
+    ct = _tile_channels(c, k)
     imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, wd, k)
-    affine = _check_affine(*affine_in, n, c, imgs, x.device)
+    affine = _check_affine(*affine_in, n, c, ct, imgs, x.device)
     if n * k * h * wd >= _INT32_LIMIT:
         raise ValueError(f"the output would have {n * k * h * wd} elements; int32 indexing allows fewer than 2**31")
     y = torch.empty((n, k, h, wd), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
     sc, sh, seg = affine if affine is not None else (y, y, n)   # unread without the prologue
     _LAST_KERNEL["fwd"] = _conv_rows_fwd_kernel[grid](
-        x, w, y, sc, sh, n, seg, *w_args, H=h, W=wd, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
-        PROLOGUE=affine is not None, **launch)
+        x, w, y, sc, sh, n, seg, *w_args, H=h, W=wd, C=ct, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        PROLOGUE=affine is not None, CM=c, **launch)
     return y
 
 
@@ -397,17 +437,30 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | 
         raise ValueError(f"dy {tuple(dy.shape)} and x {tuple(x.shape)} must share N, H and W "
                          f"(stride 1, padding 1)")
     k = dy.shape[1]
-    _check_channels(c, k)
+    ct = _tile_channels(c, k)
     imgs, rows, bn, launch = _resolve(config, DEFAULT_WGRAD, h, w, k)
-    affine = _check_affine(scale, shift, n, c, imgs, x.device)
+    affine = _check_affine(scale, shift, n, c, ct, imgs, x.device)
     programs = triton.cdiv(n, imgs) * (h // rows)
     part = torch.empty((programs, k, 9, c), dtype=torch.float32, device=x.device)
     grid = (programs * (k // bn),)
     sc, sh, seg = affine if affine is not None else (part, part, n)   # unread without the prologue
     _LAST_KERNEL["wgrad"] = _conv_rows_wgrad_kernel[grid](
-        dy, x, part, sc, sh, n, seg, H=h, W=w, C=c, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
-        PROLOGUE=affine is not None, **launch)
-    return part.sum(dim=0).view(k, 3, 3, c).permute(0, 3, 1, 2)
+        dy, x, part, sc, sh, n, seg, H=h, W=w, C=ct, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        PROLOGUE=affine is not None, CM=c, **launch)
+    return _sum_partials(part).view(k, 3, 3, c).permute(0, 3, 1, 2)
+
+
+SUM_BLOCK_P, SUM_BLOCK_M = 32, 64   # the partial sums' reduction: rows per load, columns per program
+
+
+def _sum_partials(part: torch.Tensor) -> torch.Tensor:
+    """part.sum(dim=0) for the weight gradient's float32 (programs, ...) partial sums, in one pass of our own
+    (torch's reduction over the leading dimension ran at about 400 GB/s in the step on an H100); the same
+    result every run."""
+    p, m = part.shape[0], part[0].numel()
+    out = torch.empty(part.shape[1:], dtype=torch.float32, device=part.device)
+    _sum_partials_kernel[(triton.cdiv(m, SUM_BLOCK_M),)](part, out, p, m, BLOCK_P=SUM_BLOCK_P, BLOCK_M=SUM_BLOCK_M)
+    return out
 
 
 def kernel_info(name: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) at 10-33% of
 their memory bound on an H100. ``use_triton_convs(model)`` switches every eligible layer (3x3,
-stride 1, padding 1, no bias, a power-of-two number of input channels, output channels a multiple of
-16) to ``TritonConv2d``: the same parameters and state dict, computed through the
+stride 1, padding 1, no bias, a power-of-two number of input channels or 1-3 (a stem's, on images),
+output channels a multiple of 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
 ``cowtune::conv3x3`` operator. On CUDA that operator runs the row-streaming kernels for the ops and
 shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's 16-, 32- and 64-channel layers) and
 cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
@@ -87,11 +87,13 @@ def _conv3x3_fake(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("cowtune::conv3x3_backward", mutates_args=())
-def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx, dw) of ``conv3x3(x, w, w_lo)`` for the output gradient ``dy``; dw in w's dtype."""
+def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input_grad: bool) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of ``conv3x3(x, w, w_lo)`` for the output gradient ``dy``; dw in w's dtype; dx empty unless
+    ``input_grad`` (a model's first layer: its input, the images, needs none)."""
     dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
-                                                    [0, 0], 1, [True, True, False])
-    return dx.contiguous(memory_format=format_of(x)), dw.to(w.dtype).contiguous(memory_format=format_of(w))
+                                                    [0, 0], 1, [input_grad, True, False])
+    dx = dx.contiguous(memory_format=format_of(x)) if input_grad else x.new_empty(0)
+    return dx, dw.to(w.dtype).contiguous(memory_format=format_of(w))
 
 
 def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
@@ -107,36 +109,42 @@ def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
 
 
 @conv3x3_backward.register_kernel("cuda")
-def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
-    from trainables import conv_rows
-
+def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input_grad: bool) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
-    c, k = x.shape[1], w.shape[0]
     # on the side stream if it is on (trainables.wgrad_stream), forked before the input gradient
     dw = on_side(lambda: _weight_grad(dy, x, w, w_lo), dy, x, w_lo)
-    dx = _rows("dgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
-    if dx is None:   # cuDNN where the row kernels do not compute it
-        dx = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
-                                                 [0, 0], 1, [True, False, False])[0]
+    dx = _input_grad(dy, x, w_lo) if input_grad else x.new_empty(0)
     if dw is None:
         dw = _weight_grad(dy, x, w, w_lo)
-    return dx.contiguous(memory_format=torch.channels_last), dw
+    return dx, dw
+
+
+def _input_grad(dy: Tensor, x: Tensor, w_lo: Tensor) -> Tensor:
+    """dx of ``conv3x3`` (channels_last): the row kernel's, or cuDNN's where the row kernels do not compute it."""
+    from trainables import conv_rows
+
+    dx = _rows("dgrad", x.shape, x.shape[1], w_lo.shape[0], lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
+    if dx is None:
+        dx = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
+                                                 [0, 0], 1, [True, False, False])[0]
+    return dx.contiguous(memory_format=torch.channels_last)
 
 
 @conv3x3_backward.register_fake
-def _conv3x3_backward_fake(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> tuple[Tensor, Tensor]:
-    return (torch.empty_like(x, memory_format=output_format(x)),
-            torch.empty_like(w, memory_format=format_of(w)))
+def _conv3x3_backward_fake(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input_grad: bool) -> tuple[Tensor, Tensor]:
+    dx = torch.empty_like(x, memory_format=output_format(x)) if input_grad else x.new_empty(0)
+    return dx, torch.empty_like(w, memory_format=format_of(w))
 
 
 def _setup_context(ctx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, None]:
+def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor, None]:
     x, w, w_lo = ctx.saved_tensors
-    return *torch.ops.cowtune.conv3x3_backward(dy, x, w, w_lo), None
+    dx, dw = torch.ops.cowtune.conv3x3_backward(dy, x, w, w_lo, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), dw, None
 
 
 conv3x3.register_autograd(_backward, setup_context=_setup_context)
@@ -157,7 +165,7 @@ def eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution the Triton kernels compute."""
     return (type(m) is nn.Conv2d and m.kernel_size == (3, 3) and m.stride == (1, 1) and m.padding == (1, 1)
             and m.dilation == (1, 1) and m.groups == 1 and m.bias is None and m.padding_mode == "zeros"
-            and m.in_channels >= 4 and not m.in_channels & (m.in_channels - 1)
+            and (m.in_channels < 4 or not m.in_channels & (m.in_channels - 1))   # 1-3: an image's channels
             and m.out_channels % CHANNEL_MULTIPLE == 0)
 
 

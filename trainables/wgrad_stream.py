@@ -30,6 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainables.compile_lock import tag_compile_caches
+
+# From here on, the version of this module's operators and fast_conv's (which imports it) is part of every
+# compile-cache key: the caches cannot see what an operator's backward does.
+tag_compile_caches()
+
 _on = False
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _HELD: dict[int, list[Tensor]] = {}   # per device: what the side stream reads, held until the join
