@@ -98,7 +98,7 @@ def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> li
         return [{"BM": max(16, w), "SEGS": s} for s in (1, 2) if h % s == 0]
     c_in, c_out = (k, c) if op == "dgrad" else (max(c, 4), k)   # 1-3 channels: a 4-channel tile
     stages = (1, 2) if op == "wgrad" else (2, 3)
-    bms = (32, 64, 128) if c_in >= 128 else (64, 128)
+    bms = (32, 64, 128) if c_in >= 128 else (64, 128, 256, 512) if c_in <= 4 else (64, 128)
     bns = sorted({c_out, c_out // 2, c_out // 4, c_out // 8} if c_in >= 128 else {c_out, c_out // 2})
     out = []
     for bm, segs, bn, warps, st in itertools.product(bms, (1, 2, 4), bns, (4, 8), stages):

@@ -6,8 +6,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     cudnn   train.conv_kernels=cudnn: cuDNN for every convolution
     triton  train.conv_kernels=triton: the row-streaming kernels (trainables/conv_rows.py) for the
             ops and shapes in their table (conv_rows.CONFIGS), cuDNN for the rest
-    sweep   as triton, with the table replaced by the best configuration per op and shape of
-            conv_rows_bench.py results (``--rows-json``), where it beat cuDNN
+    sweep   as wgrad-stream (the trainer's defaults), with the table's configurations for the shapes in
+            conv_rows_bench.py results (``--rows-json``) replaced by the best one per op and shape there, where
+            it beat cuDNN (a shape the table lacks is added)
     wgrad-stream  as triton, with their weight gradients on a side stream (train.wgrad_stream): the
             trainer's defaults
     aug-each-step  as wgrad-stream, with the batches augmented one step at a time
@@ -44,7 +45,7 @@ from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {}
     for v in variants:
         conv_rows.CONFIGS.clear()   # read when a runner's first steps run its kernels, before capture
-        conv_rows.CONFIGS.update(swept if v == "sweep" else table)
+        conv_rows.CONFIGS.update({**table, **swept} if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
