@@ -119,6 +119,15 @@ def test_weight_gradient_is_deterministic():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows,cols,max_rows", [(5, 27, 512), (300, 70, 64), (64, 300, 16)])
+def test_partial_sums_add_up(rows, cols, max_rows):
+    """The weight gradient's partial sums, added by our own kernel: all rows at once, or in several loads."""
+    part = torch.randn(rows, cols, 2, generator=torch.Generator().manual_seed(rows))
+    out = cr._sum_partials(part, tile=256, max_rows=max_rows)
+    assert out.shape == (cols, 2)
+    torch.testing.assert_close(out, part.sum(dim=0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
 def test_weight_read_in_its_own_layout_and_dtype(layout):
     """The kernels read the (K, C, 3, 3) weight through its strides and cast it as they load: a model's

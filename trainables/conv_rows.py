@@ -265,6 +265,11 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     ("fprop", 256, 32, 32, 32, 32): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 25.5 / 40.6
     ("fprop", 256, 64, 64, 16, 16): {"BM": 64, "SEGS": 2, "num_warps": 4, "num_stages": 3},  # 21.8 / 25.4
     ("fprop", 256, 16, 32, 32, 32): {"BM": 64, "SEGS": 4, "BN": 32, "num_warps": 4, "num_stages": 3},  # 18.6 / 39.8
+    # The stem, on the images' 3 channels (a 4-channel tile; no input gradient), swept on an H100 on 2026-11-27
+    # (benchmarks/results/2026-11-27-h100-conv-rows-stem-kernels.json):
+    ("fprop", 0, 3, 16, 32, 32): {"BM": 64, "SEGS": 4, "BN": 16, "num_warps": 4, "num_stages": 2},    # 17.4 / 81.2
+    ("wgrad", 0, 3, 16, 32, 32): {"BM": 64, "SEGS": 2, "BN": 16, "num_warps": 4, "num_stages": 2},    # 40.1 / 111.5
+    ("fprop", 256, 3, 16, 32, 32): {"BM": 64, "SEGS": 4, "BN": 16, "num_warps": 4, "num_stages": 3},  # 14.6 / 44.6
 }
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
@@ -450,16 +455,22 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | 
     return _sum_partials(part).view(k, 3, 3, c).permute(0, 3, 1, 2)
 
 
-SUM_BLOCK_P, SUM_BLOCK_M = 32, 64   # the partial sums' reduction: rows per load, columns per program
+SUM_TILE = 8192   # the partial sums' reduction: elements a program loads at once (rows x columns)
+SUM_MAX_ROWS = 512
 
 
-def _sum_partials(part: torch.Tensor) -> torch.Tensor:
-    """part.sum(dim=0) for the weight gradient's float32 (programs, ...) partial sums, in one pass of our own
-    (torch's reduction over the leading dimension ran at about 400 GB/s in the step on an H100); the same
-    result every run."""
+def _sum_partials(part: torch.Tensor, tile: int = SUM_TILE, max_rows: int = SUM_MAX_ROWS,
+                  num_warps: int = 8) -> torch.Tensor:
+    """part.sum(dim=0) for the weight gradient's float32 (programs, ...) partial sums, in one pass of our own, the
+    same result every run. Each program loads all the rows (up to ``max_rows`` at a time) of a few columns at
+    once: with few columns (the stem's 432) a loop over the rows would leave the sum waiting on one load
+    after another."""
     p, m = part.shape[0], part[0].numel()
+    block_p = min(triton.next_power_of_2(p), max_rows)
+    block_m = max(16, tile // block_p)
     out = torch.empty(part.shape[1:], dtype=torch.float32, device=part.device)
-    _sum_partials_kernel[(triton.cdiv(m, SUM_BLOCK_M),)](part, out, p, m, BLOCK_P=SUM_BLOCK_P, BLOCK_M=SUM_BLOCK_M)
+    _sum_partials_kernel[(triton.cdiv(m, block_m),)](part, out, p, m, BLOCK_P=block_p, BLOCK_M=block_m,
+                                                     **({} if INTERPRET else {"num_warps": num_warps}))
     return out
 
 
