@@ -13,6 +13,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             trainer's defaults
     aug-each-step  as wgrad-stream, with the batches augmented one step at a time
             (DeviceData.chunk_steps 1) instead of 8 steps at once
+    eager-aug  as wgrad-stream, with the augmentation run eagerly (DeviceData.compiled false) instead of
+            under torch.compile
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -44,8 +46,9 @@ from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "no-combo", "combo", "eager-masks-losses")
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "no-combo", "combo",
+            "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     data = DeviceData(raw, splits, True, 4, device)
     data_each_step = copy.copy(data)   # the same images on the device, augmented one step at a time
     data_each_step.chunk_steps = 1
+    data_eager_aug = copy.copy(data)
+    data_eager_aug.compiled = False
     total = args.warmup + args.rounds * args.steps
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"device": where, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                           cuda_graph="step" if device.type == "cuda" else "none")
         runner = build_runner(cfg, len(raw.class_names), device)
         gen = runner.generator.manual_seed(0)
-        source = data_each_step if v == "aug-each-step" else data
+        source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         for _ in range(args.warmup):   # compile, capture

@@ -455,12 +455,16 @@ def conv3x3_rows_wgrad(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | 
     return _sum_partials(part).view(k, 3, 3, c).permute(0, 3, 1, 2)
 
 
-SUM_TILE = 8192   # the partial sums' reduction: elements a program loads at once (rows x columns)
+# The partial sums' reduction: elements a program loads at once (rows x columns), rows at most. Swept on an H100
+# (2026-11-27, benchmarks/results/2026-11-27-h100-partial-sums.json): 9.9-10.8 us for the 32- and 16-channel
+# layers' 9-9.4 MB of partial sums (torch's sum over the leading dimension: 16.1-24.2), 6.7-7.8 for the stem's
+# 0.9 MB (22.8).
+SUM_TILE = 8192
 SUM_MAX_ROWS = 512
 
 
 def _sum_partials(part: torch.Tensor, tile: int = SUM_TILE, max_rows: int = SUM_MAX_ROWS,
-                  num_warps: int = 8) -> torch.Tensor:
+                  num_warps: int = 4) -> torch.Tensor:
     """part.sum(dim=0) for the weight gradient's float32 (programs, ...) partial sums, in one pass of our own, the
     same result every run. Each program loads all the rows (up to ``max_rows`` at a time) of a few columns at
     once: with few columns (the stem's 432) a loop over the rows would leave the sum waiting on one load
