@@ -15,6 +15,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (DeviceData.chunk_steps 1) instead of 8 steps at once
     eager-aug  as wgrad-stream, with the augmentation run eagerly (DeviceData.compiled false) instead of
             under torch.compile
+    eager-ema  as wgrad-stream, with the teacher EMA run eagerly (StepRunner.compile_ema false) instead of
+            compiled
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -44,11 +46,13 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
+from trainables.step import StepRunner  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "no-combo", "combo",
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
             "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "no-combo", "combo", "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
+                   "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -117,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           cuda_graph="step" if device.type == "cuda" else "none")
+        StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
         runner = build_runner(cfg, len(raw.class_names), device)
+        StepRunner.compile_ema = True
         gen = runner.generator.manual_seed(0)
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

@@ -130,3 +130,23 @@ def test_ema_weights_sum_to_one_in_float32():
         assert f32(alpha) + f32(ema_weight(alpha)) == 1.0, alpha          # exact sum, in double precision
         missed += f32(alpha) + f32(1.0 - alpha) != 1.0
     assert missed > 0   # the naive weight really is off for some of these
+
+
+def test_compiled_ema_serves_every_alpha_and_matches_eager():
+    """The trainer compiles the EMA with alpha and 1 - alpha as device scalars: one compilation for every alpha
+    (annealed each step), the eager update's values up to a fused multiply-add's rounding."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    student(torch.randn(2, 3, 6, 6))   # batch-norm statistics that differ from the teacher's
+    other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))   # the teachers start elsewhere, both alike
+    teachers = [make_teacher(other) for _ in range(2)]
+    counter = CompileCounter()
+    compiled = torch.compile(ema_update_, backend=counter, dynamic=False)
+    for alpha in (0.9, 0.99, 0.999):
+        ema_update_(EmaPairs(teachers[0], student), alpha)
+        compiled(EmaPairs(teachers[1], student), torch.tensor(alpha), torch.tensor(ema_weight(alpha)))
+    assert counter.frame_count == 1
+    for a, b in zip(teachers[0].state_dict().values(), teachers[1].state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)

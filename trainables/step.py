@@ -21,7 +21,7 @@ from trainables.compile_lock import first_compile_lock, operators_version, step_
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
-from trainables.ssl.ema import EmaPairs, ema_update_
+from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
 from trainables.ssl.masks import device_constants
 from trainables.ssl.regularizers import Regularizer
@@ -142,6 +142,8 @@ def loss_terms(logits: list[torch.Tensor], teacher_logits: torch.Tensor | None, 
 class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
 
+    compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
+
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
@@ -190,6 +192,10 @@ class StepRunner:
         glue = compiled and cfg.train.compile_masks_and_losses
         self.student_inputs = torch.compile(student_inputs, dynamic=False) if glue else student_inputs
         self.loss_terms = torch.compile(loss_terms, dynamic=False) if glue else loss_terms
+        # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
+        # the step; compiled, one pass (alpha and 1 - alpha as device scalars, so one compilation for every alpha)
+        self.ema_compiled = glue and self.compile_ema
+        self.ema = torch.compile(ema_update_, dynamic=False) if self.ema_compiled else ema_update_
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
@@ -298,7 +304,7 @@ class StepRunner:
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
-                        self.cfg.train.compile_masks_and_losses,
+                        self.cfg.train.compile_masks_and_losses, self.ema_compiled,
                         sorted(self.inductor_options.get("student", {}).items()))
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
@@ -326,7 +332,10 @@ class StepRunner:
         with backward_on_side(self.wgrad_stream, self.device):   # joined when it ends
             loss.backward()
         self.optimizer.step()
-        ema_update_(self.pairs, alpha)
+        if self.ema_compiled:
+            self.ema(self.pairs, *(torch.full((), v, device=self.device) for v in (alpha, ema_weight(alpha))))
+        else:
+            ema_update_(self.pairs, alpha)
         self.add_stats(stats)
         self.count += 1
 

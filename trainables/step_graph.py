@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainables.data import Batch
-from trainables.ssl.ema import ema_update_, ema_weight
+from trainables.ssl.ema import ema_weight
 from trainables.wgrad_stream import backward_on_side
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
@@ -60,7 +60,7 @@ class StepGraph:
         with backward_on_side(r.wgrad_stream, r.device):   # weight gradients on their own stream, joined at the end
             loss.backward()
         r.optimizer.step()
-        ema_update_(r.pairs, self.alpha, self.weight)
+        r.ema(r.pairs, self.alpha, self.weight)
         r.add_stats(stats)
 
     def _capture(self, r: Any, batch: Batch, gen: torch.Generator) -> None:
