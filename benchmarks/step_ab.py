@@ -17,8 +17,6 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             under torch.compile
     eager-ema  as wgrad-stream, with the teacher EMA run eagerly (StepRunner.compile_ema false) instead of
             compiled
-    bn-own-stats  as wgrad-stream, with every batch norm computing its batch statistics itself
-            (SegmentedBatchNorm2d.stats_from_conv false) instead of taking them from the row kernel before it
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -48,14 +46,13 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
-from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "bn-own-stats",
-            "no-combo", "combo", "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "bn-own-stats", "no-combo",
-                   "combo", "eager-masks-losses")
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
+            "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
+                   "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -125,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           cuda_graph="step" if device.type == "cuda" else "none")
         StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
-        SegmentedBatchNorm2d.stats_from_conv = v != "bn-own-stats"   # read when the model is compiled (first steps)
         runner = build_runner(cfg, len(raw.class_names), device)
+        StepRunner.compile_ema = True
         gen = runner.generator.manual_seed(0)
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
@@ -134,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):   # compile, capture
             runner.step(next(batches), gen, 0.05, 0.97)
         runner.read_metrics()
-        StepRunner.compile_ema, SegmentedBatchNorm2d.stats_from_conv = True, True
         print(f"  {v}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
         runners[v] = (runner, gen, batches)
         report["rounds"][v] = []

@@ -119,30 +119,6 @@ def test_weight_gradient_is_deterministic():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("n,c,k,h,w,segments,config", [
-    (4, 16, 32, 8, 8, 2, {"BM": 16, "SEGS": 2}),              # 2 images a program, 2 row bands
-    (4, 3, 16, 4, 8, 1, {"BM": 32, "SEGS": 1}),               # an image's channels, 4 images a program
-    (12, 32, 32, 8, 4, 3, {"BM": 16, "SEGS": 4, "BN": 16}),   # output-channel tiles
-])
-def test_forward_statistics_per_program(n, c, k, h, w, segments, config):
-    """The forward kernel's statistics of its own output: per program's images and rows, the mean and biased
-    variance per channel, in the layout the operator's torch fallback gives (``fast_conv._torch_stats``)."""
-    from trainables.fast_conv import _torch_stats
-
-    x, wt, _ = _inputs(n, c, k, h, w, seed=9)
-    y, stats = cr.conv3x3_rows_fwd(x, wt, config=config, stats_segments=segments)
-    torch.testing.assert_close(y, F.conv2d(x, wt, padding=1), **TOL)
-    groups = cr.stats_groups(n, c, k, h, w, segments, config)
-    assert stats.shape == (groups, 2, k) and stats.dtype == torch.float32
-    torch.testing.assert_close(stats, _torch_stats(y, segments, groups, config), rtol=1e-4, atol=1e-4)
-
-
-def test_statistics_need_whole_tiles_in_each_segment():
-    x, wt, _ = _inputs(4, 16, 32, 8, 8)
-    with pytest.raises(ValueError, match="statistics of 4 segments of the 4 images"):
-        cr.conv3x3_rows_fwd(x, wt, config={"BM": 16}, stats_segments=4)   # 2 images a tile, 1 a segment
-
-
 @pytest.mark.parametrize("rows,cols,max_rows", [(5, 27, 512), (300, 70, 64), (64, 300, 16)])
 def test_partial_sums_add_up(rows, cols, max_rows):
     """The weight gradient's partial sums, added by our own kernel: all rows at once, or in several loads."""

@@ -64,11 +64,6 @@ _LAST_KERNEL: dict[str, Any] = {}   # the last launched kernel per name ("fwd", 
 
 
 @triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
 def _wide_ok(i, col, img_ok, j, H: tl.constexpr, W: tl.constexpr, CH: tl.constexpr, CM: tl.constexpr):
     c2 = col[:, None] + (j // CH - 1)[None, :]
     ok = img_ok[:, None] & (i >= 0) & (i < H) & (c2 >= 0) & (c2 < W) & (j < 3 * CH)[None, :]
@@ -146,18 +141,16 @@ def _program_tile(N, H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.co
 
 
 @triton.jit
-def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, stats_ptr, N, SEG,
+def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, N, SEG,
                           W_OFF, W_SR, W_SS, W_SC, W_SK,
                           H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                           IMGS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PROLOGUE: tl.constexpr, CM: tl.constexpr, STATS: tl.constexpr):
+                          PROLOGUE: tl.constexpr, CM: tl.constexpr):
     """y[n, o, :, k] = sum over kernel rows r of wide(x[n, o + r - 1]) @ B_r[:, k] for IMGS images, a band
     of ROWS output rows and BLOCK_N output channels. B_r[s * C + c, k] (s < 3, c < CM) is the weight element
     at w_ptr + W_OFF + r * W_SR + s * W_SS + c * W_SC + k * W_SK, read and cast here (the weight's
     own layout and dtype: no packing pass); rows 3C..4C-1, and those of channels CM..C-1, are zero. x has
-    CM channels (C, or 1-3 in a tile of C = 4). With STATS, also the mean and the biased variance of the
-    stored (rounded) outputs per output channel over the program's pixels (all in whole images): at
-    stats_ptr + (group and band) * 2K + k and + K."""
+    CM channels (C, or 1-3 in a tile of C = 4)."""
     BM: tl.constexpr = IMGS * W
     rest, r0, n0, col, img_ok, base, offs_n, j = _program_tile(N, H, W, C, K, IMGS, ROWS, BLOCK_N)
     sc, sh = _affine(scale_ptr, shift_ptr, n0, SEG, j, C, PROLOGUE)
@@ -169,8 +162,6 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, stats_ptr, 
     w_hi = tl.load(wr + 2 * W_SR, mask=w_ok, other=0.0).to(dt)     # kernel row 2: output row i - 1
     acc_hi = tl.full((BM, BLOCK_N), 0.0, tl.float32)
     acc_mid = tl.full((BM, BLOCK_N), 0.0, tl.float32)
-    s1 = tl.full((BLOCK_N,), 0.0, tl.float32)
-    s2 = tl.full((BLOCK_N,), 0.0, tl.float32)
     for t in range(ROWS + 2):
         i = r0 - 1 + t                # the input row of this step
         a = _wide_tile(x_ptr, base, i, col, img_ok, j, sc, sh, H, W, C, CM, PROLOGUE)
@@ -179,20 +170,9 @@ def _conv_rows_fwd_kernel(x_ptr, w_ptr, y_ptr, scale_ptr, shift_ptr, stats_ptr, 
         acc_hi = tl.dot(a, w_hi, acc_hi)
         # Output row i - 1 is complete (and in the band from step 2 on).
         out = y_ptr + (base + (i - 1) * W)[:, None] * K + offs_n[None, :]
-        y = acc_hi.to(y_ptr.dtype.element_ty)
-        row_ok = (img_ok & (t >= 2))[:, None]
-        tl.store(out, y, mask=row_ok)
-        if STATS:
-            v = tl.where(row_ok, y.to(tl.float32), 0.0)
-            s1 += tl.reduce(v, 0, _add)
-            s2 += tl.reduce(v * v, 0, _add)
+        tl.store(out, acc_hi.to(y_ptr.dtype.element_ty), mask=(img_ok & (t >= 2))[:, None])
         acc_hi = acc_mid
         acc_mid = acc_lo
-    if STATS:   # the mean and biased variance of this program's IMGS x ROWS x W outputs per channel
-        mean = s1 / (IMGS * ROWS * W)
-        var = tl.maximum(s2 / (IMGS * ROWS * W) - mean * mean, 0.0)
-        tl.store(stats_ptr + rest * (2 * K) + offs_n, mean)
-        tl.store(stats_ptr + rest * (2 * K) + K + offs_n, var)
 
 
 @triton.jit
@@ -230,6 +210,11 @@ def _conv_rows_wgrad_kernel(dy_ptr, x_ptr, part_ptr, scale_ptr, shift_ptr, N, SE
     tl.store(out, g_lo, mask=ok)
     tl.store(out + 3 * CM, g_mid, mask=ok)
     tl.store(out + 6 * CM, g_hi, mask=ok)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
@@ -396,8 +381,7 @@ def _check_weight(w: torch.Tensor, device: torch.device) -> None:
 
 
 def _launch_fwd(x: torch.Tensor, w: torch.Tensor, k: int, w_args: tuple[int, ...],
-                affine_in: tuple[torch.Tensor | None, torch.Tensor | None], config: dict | None,
-                stats_segments: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                affine_in: tuple[torch.Tensor | None, torch.Tensor | None], config: dict | None) -> torch.Tensor:
     n, c, h, wd = x.shape
     ct = _tile_channels(c, k)
     imgs, rows, bn, launch = _resolve(config, DEFAULT_FWD, h, wd, k)
@@ -405,54 +389,28 @@ def _launch_fwd(x: torch.Tensor, w: torch.Tensor, k: int, w_args: tuple[int, ...
     if n * k * h * wd >= _INT32_LIMIT:
         raise ValueError(f"the output would have {n * k * h * wd} elements; int32 indexing allows fewer than 2**31")
     y = torch.empty((n, k, h, wd), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    groups = triton.cdiv(n, imgs) * (h // rows)
-    if stats_segments:
-        _check_stats_segments(n, stats_segments, imgs)
-    stats = torch.empty((groups, 2, k), dtype=torch.float32, device=x.device) if stats_segments else y
-    grid = (groups * (k // bn),)
+    grid = (triton.cdiv(n, imgs) * (h // rows) * (k // bn),)
     sc, sh, seg = affine if affine is not None else (y, y, n)   # unread without the prologue
     _LAST_KERNEL["fwd"] = _conv_rows_fwd_kernel[grid](
-        x, w, y, sc, sh, stats, n, seg, *w_args, H=h, W=wd, C=ct, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
-        PROLOGUE=affine is not None, CM=c, STATS=bool(stats_segments), **launch)
-    return (y, stats) if stats_segments else y
-
-
-def _check_stats_segments(n: int, segments: int, imgs: int) -> None:
-    if segments < 1 or n % segments or (n // segments) % imgs:
-        raise ValueError(f"statistics of {segments} segments of the {n} images need each segment to hold a whole "
-                         f"number of the config's {imgs}-image tiles")
-
-
-def stats_groups(n: int, c: int, k: int, h: int, w: int, segments: int, config: dict | None) -> int:
-    """How many rows ``conv3x3_rows_fwd(..., stats_segments=segments, config=config)`` gives its statistics: the
-    programs' image groups and row bands, ``segments`` of them to a segment in order."""
-    imgs, rows, _, _ = _resolve(config, DEFAULT_FWD, h, w, k)
-    _tile_channels(c, k)
-    _check_stats_segments(n, segments, imgs)
-    return triton.cdiv(n, imgs) * (h // rows)
+        x, w, y, sc, sh, n, seg, *w_args, H=h, W=wd, C=ct, K=k, IMGS=imgs, ROWS=rows, BLOCK_N=bn,
+        PROLOGUE=affine is not None, CM=c, **launch)
+    return y
 
 
 def conv3x3_rows_fwd(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                     shift: torch.Tensor | None = None, *, config: dict | None = None,
-                     stats_segments: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     shift: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
     """conv2d(a, w, stride 1, padding 1, no bias) with a = x, or a = relu(x * scale + shift) per channel
     (the "prologue": computed in float32 while loading, rounded to x's dtype, zero padding after it;
     scale and shift (C,), or (S, C) for S equal segments of the batch, each with its own). x: (N, C, H, W)
     channels_last; w: (K, C, 3, 3) in any layout and float dtype, cast to x's dtype as the kernel reads
     it. Returns (N, K, H, W) channels_last in x's dtype. ``config`` overrides the default tile
-    configuration (see ``CONFIGS``).
-
-    With ``stats_segments`` S > 0 (each of S equal segments of the batch a whole number of the config's
-    image tiles), returns (y, stats): stats (G, 2, K) float32, per program's image group and row band
-    (``stats_groups`` of them, G / S to a segment in order), the mean and biased variance of its outputs as
-    stored (rounded to y's dtype): a batch norm's statistics without reading y again
-    (``trainables.segmented_bn.segment_stats`` combines them)."""
+    configuration (see ``CONFIGS``)."""
     _check_activation("x", x)
     _check_weight(w, x.device)
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"w has {w.shape[1]} input channels but x has {x.shape[1]}")
     sk, sc, sr, ss = w.stride()
-    return _launch_fwd(x, w, w.shape[0], (0, sr, ss, sc, sk), (scale, shift), config, stats_segments)
+    return _launch_fwd(x, w, w.shape[0], (0, sr, ss, sc, sk), (scale, shift), config)
 
 
 def conv3x3_rows_dgrad(dy: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.segmented_bn import SegmentedBatchNorm2d, bn_relu
 from trainables.wgrad_stream import format_of, on_side
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
@@ -151,117 +150,6 @@ def _backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor, None]:
 conv3x3.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ---------------------------------------------------------------------------------------------
-# The convolution with its output's batch statistics (for the batch norm after it)
-
-
-def _stats_config(x_shape, k: int, segments: int, cuda: bool) -> dict | None:
-    """The row kernels' forward configuration when they compute this layer's output and statistics on CUDA, else
-    None (then one row of statistics per segment)."""
-    from trainables import conv_rows
-
-    n, c, h, w = x_shape
-    cfg = conv_rows.tuned_config("fprop", n, c, k, h, w) if cuda else None
-    if cfg is None:
-        return None
-    try:
-        conv_rows.stats_groups(n, c, k, h, w, segments, cfg)
-    except ValueError:   # segments that split a program's images
-        return None
-    return cfg
-
-
-def _stats_rows(x_shape, k: int, segments: int, cuda: bool) -> int:
-    from trainables import conv_rows
-
-    cfg = _stats_config(x_shape, k, segments, cuda)
-    n, c, h, w = x_shape
-    return segments if cfg is None else conv_rows.stats_groups(n, c, k, h, w, segments, cfg)
-
-
-def _torch_stats(y: Tensor, segments: int, groups: int, cfg: dict | None) -> Tensor:
-    """(groups, 2, K): per part of ``y``, its mean and biased variance per channel, as the row kernel gives them
-    (its programs' image groups and row bands under ``cfg``; one part per segment without one)."""
-    from trainables import conv_rows
-
-    n, k, h, w = y.shape
-    yf = y.to(torch.promote_types(y.dtype, torch.float32)).permute(0, 2, 3, 1)   # (N, H, W, K)
-    if cfg is None:
-        parts = yf.reshape(segments, -1, k)
-    else:
-        imgs, rows, _, _ = conv_rows._resolve(cfg, conv_rows.DEFAULT_FWD, h, w, k)
-        parts = yf.reshape(n // imgs, imgs, h // rows, rows * w, k).transpose(1, 2).reshape(groups, -1, k)
-    var, mean = torch.var_mean(parts, dim=1, correction=0)
-    return torch.stack([mean, var], dim=1)
-
-
-@torch.library.custom_op("cowtune::conv3x3_stats", mutates_args=())
-def conv3x3_stats(x: Tensor, w: Tensor, w_lo: Tensor, segments: int) -> tuple[Tensor, Tensor]:
-    """(y, stats): ``conv3x3(x, w, w_lo)`` and, for the batch norm after it, the mean and biased variance of y per
-    channel over parts of each of ``segments`` equal segments of the batch: (G, 2, K), G / segments rows to a
-    segment (``segmented_bn.segment_stats`` combines them). On CUDA where the row kernels compute the layer, its
-    forward kernel computes them as it stores y (no second read of y); elsewhere one row per segment."""
-    y = F.conv2d(x, w_lo, padding=1).contiguous(memory_format=format_of(x))
-    return y, _torch_stats(y, segments, segments, None)
-
-
-@conv3x3_stats.register_kernel("cuda")
-def _conv3x3_stats_cuda(x: Tensor, w: Tensor, w_lo: Tensor, segments: int) -> tuple[Tensor, Tensor]:
-    from trainables import conv_rows
-
-    x = x.contiguous(memory_format=torch.channels_last)
-    k = w.shape[0]
-    cfg = _stats_config(x.shape, k, segments, True)
-    groups = _stats_rows(x.shape, k, segments, True)
-    out = _rows("fprop", x.shape, x.shape[1], k,
-                lambda _: conv_rows.conv3x3_rows_fwd(x, w_lo, config=cfg, stats_segments=segments)) \
-        if cfg is not None else None
-    if out is not None:
-        return out
-    y = F.conv2d(x, w_lo, padding=1).contiguous(memory_format=torch.channels_last)
-    return y, _torch_stats(y, segments, groups, cfg)   # the kernel's layout of them, computed by torch
-
-
-@conv3x3_stats.register_fake
-def _conv3x3_stats_fake(x: Tensor, w: Tensor, w_lo: Tensor, segments: int) -> tuple[Tensor, Tensor]:
-    k = w.shape[0]
-    y = _conv3x3_fake(x, w, w_lo)
-    rows = _stats_rows(x.shape, k, segments, x.device.type == "cuda")
-    return y, x.new_empty((rows, 2, k), dtype=torch.promote_types(x.dtype, torch.float32))
-
-
-def _stats_setup_context(ctx, inputs, output) -> None:
-    x, w, w_lo, _ = inputs
-    ctx.save_for_backward(x, w, w_lo)
-
-
-def _stats_backward(ctx, dy: Tensor, _dstats: Tensor | None):
-    """The convolution's gradients; the statistics carry none (the batch norm's backward, which takes them as
-    given, accounts for their dependence on y)."""
-    x, w, w_lo = ctx.saved_tensors
-    dx, dw = torch.ops.cowtune.conv3x3_backward(dy, x, w, w_lo, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None), dw, None, None
-
-
-conv3x3_stats.register_autograd(_stats_backward, setup_context=_stats_setup_context)
-
-
-STATS_WITHOUT_ROW_KERNELS = False   # conv_bn_relu's statistics path also where torch computes them (CPU tests)
-
-
-def conv_bn_relu(conv: nn.Module, bn: nn.Module, x: Tensor) -> Tensor:
-    """``relu(bn(conv(x)))``. Where ``conv`` is a ``TritonConv2d`` whose output the row kernels compute and ``bn``
-    normalises segments of the batch in one pass, the convolution's kernel also gives its output's batch
-    statistics (``conv3x3_stats``), so that the batch norm need not read its input once more to compute them."""
-    if type(conv) is TritonConv2d and isinstance(bn, SegmentedBatchNorm2d) and bn.stats_from_conv \
-            and bn.fuse_relu and bn.one_pass_relu(x):   # the convolution keeps x's N, H and W
-        segments = len(bn.segments)
-        if STATS_WITHOUT_ROW_KERNELS or _stats_config(x.shape, conv.out_channels, segments, x.is_cuda) is not None:
-            y, stats = conv.forward_stats(x, segments)
-            return bn.forward_relu(y, stats)
-    return bn_relu(bn, conv(x))
-
-
 class TritonConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` (3x3, stride 1, padding 1, no bias) computed by ``cowtune::conv3x3``. Under autocast
     the input is cast as autocast casts a convolution's, and the weight to the input's dtype; its gradient comes
@@ -271,12 +159,6 @@ class TritonConv2d(nn.Conv2d):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
-
-    def forward_stats(self, x: Tensor, segments: int) -> tuple[Tensor, Tensor]:
-        """(``self(x)``, its statistics for a batch norm of ``segments`` equal segments): ``conv3x3_stats``."""
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        return torch.ops.cowtune.conv3x3_stats(x, self.weight, self.weight.to(x.dtype), segments)
 
 
 def eligible(m: nn.Module) -> bool:

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables.fast_conv import conv_bn_relu
 from trainables.segmented_bn import bn_relu, convert_batch_norm
 from trainables.validation import unknown_name
 
@@ -136,7 +135,8 @@ class PreActBlock(nn.Module):
         o = bn_relu(self.bn1, x)
         # On a shape change the shortcut sees the activated input (original WRN code).
         skip = x if self.shortcut is None else self.shortcut(o)
-        o = self.conv2(self.dropout(conv_bn_relu(self.conv1, self.bn2, o)))
+        o = self.conv1(o)
+        o = self.conv2(self.dropout(bn_relu(self.bn2, o)))
         return skip + o
 
 

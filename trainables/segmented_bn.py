@@ -35,24 +35,17 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     segments: Segments | None = None
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
-    stats_from_conv = True   # take the batch statistics from the convolution before it where it gives them
-                             # (trainables.fast_conv.conv_bn_relu; off: computed here, for A/B timings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
             return super().forward(x)
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
 
-    def forward_relu(self, x: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
-        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs. ``stats``: x's
-        per-segment statistics as the convolution that made x gives them (``segment_stats``), used on that path."""
-        if self.fuse_relu and self.one_pass_relu(x):
-            return self._equal_segments(x, relu=True, stats=stats)
+    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs."""
+        if self.fuse_relu and self.segments is not None and self.training and self._one_pass(x):
+            return self._equal_segments(x, relu=True)
         return F.relu(self(x))
-
-    def one_pass_relu(self, x: torch.Tensor) -> bool:
-        """Whether ``forward_relu(x)`` runs the one-pass function (the one that can take ``stats``)."""
-        return self.segments is not None and self.training and self._one_pass(x)
 
     def _one_pass(self, x: torch.Tensor) -> bool:
         """Compiling, and equal segments that cover ``x`` with 2+ values per channel each, on a layer
@@ -74,10 +67,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             outs.append(F.batch_norm(part, *stats, self.weight, self.bias, True, self.momentum, self.eps))
         return torch.cat(outs)
 
-    def _equal_segments(self, x: torch.Tensor, relu: bool = False, stats: torch.Tensor | None = None) -> torch.Tensor:
+    def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        mean, var = segment_stats(stats, s) if stats is not None else (None, None)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu, mean, var)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
         with torch.no_grad():
             n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
@@ -92,20 +84,17 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
-    ``relu``. Statistics are computed in float32 at least, or taken as given (``mean``, ``var``: (s, C) each,
-    from the convolution that made x); returns (y in x's dtype, per-run means (s, C), biased variances (s, C)).
+    ``relu``. Statistics are computed in float32 at least; returns (y in x's dtype, per-run means
+    (s, C), biased variances (s, C)).
 
     The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
     backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
     that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps, relu, mean=None, var=None):
+    def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
-        if mean is None:
-            var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        else:
-            mean, var = (t.to(xs.dtype).view(s, 1, -1, 1, 1).clone() for t in (mean, var))   # outputs: not inputs' views
+        var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
         scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
         shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
@@ -132,18 +121,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None, None, None)
-
-
-def segment_stats(stats: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, biased variance), (s, C) each, of ``s`` equal segments of a batch from (G, 2, C) rows of
-    (mean, biased variance) over G equal parts of it, G / s to a segment in order (a convolution's per-program
-    statistics, ``trainables.conv_rows``): the mean of the means, and the mean of the variances plus the
-    variance of the means. With one row per segment, that row, exactly."""
-    parts = stats.unflatten(0, (s, -1))
-    means, variances = parts[:, :, 0], parts[:, :, 1]
-    mean = means.mean(1)
-    return mean, variances.mean(1) + (means - mean[:, None]).square().mean(1)
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
