@@ -163,6 +163,18 @@ def test_batches_do_not_depend_on_how_many_steps_are_augmented_at_once(digits, t
         assert b.x_sup.untyped_storage().nbytes() <= 2 * step_bytes
 
 
+def test_every_chunk_is_augmented_at_one_size(digits, monkeypatch):
+    """A short last chunk is augmented as a whole one (its first views again), so the compiled augmentation meets
+    one shape per run and does not compile again at the end of the first epoch."""
+    sizes = []
+    augment = D.device.augment
+    monkeypatch.setattr(D.device, "augment", lambda images, idx, *rest: sizes.append(len(idx)) or augment(images, idx, *rest))
+    d = copy.copy(digits)
+    d.chunk_steps = 3
+    assert len(list(d.train_batches(0, 1, 16, 7, False))) == 7
+    assert sizes == [3 * 16] * 6   # 3 chunks x 2 views, the last one steps 4-6 (step 6 new)
+
+
 def test_compiled_augmentation_gives_the_eager_views(digits):
     """On a GPU the views are augmented under torch.compile (its default there); the same views as eagerly, up to
     the rounding of a fused multiply-add in the normalisation."""

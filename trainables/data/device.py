@@ -145,16 +145,20 @@ class DeviceData:
         chunk = max(1, min(self.chunk_steps, CHUNK_BYTES // step_bytes))
         for c0 in range(0, steps, chunk):   # the views of `chunk` steps at once
             c1 = min(c0 + chunk, steps)
+            # A short last chunk is augmented as a whole one ending with it, its first views again (the same
+            # ones: each step's parameters are drawn beforehand): one shape for the compiled augmentation,
+            # which would otherwise compile again at the end of the first epoch.
+            a0 = max(0, c1 - chunk)
 
-            def views(v: int, idx: Tensor) -> Tensor:   # (steps in chunk, B, C, H, W)
-                flat = (t[c0:c1].flatten() for t in (idx, *(p[v] for p in params)))
-                return self._augment(*flat).unflatten(0, (c1 - c0, b))
+            def views(v: int, idx: Tensor) -> Tensor:   # (steps augmented, B, C, H, W)
+                flat = (t[a0:c1].flatten() for t in (idx, *(p[v] for p in params)))
+                return self._augment(*flat).unflatten(0, (c1 - a0, b))
 
             x_sup, x_u0 = views(0, sup), views(1, unsup)
             x_u1 = views(2, unsup) if augment_twice else None
-            for s in range(c1 - c0):
+            for s in range(c0 - a0, c1 - a0):
                 u0 = x_u0[s]
-                yield Batch(x_sup[s], y[c0 + s], u0, u0 if x_u1 is None else x_u1[s])
+                yield Batch(x_sup[s], y[a0 + s], u0, u0 if x_u1 is None else x_u1[s])
 
     def _augment(self, idx: Tensor, oy: Tensor, ox: Tensor, flips: Tensor) -> Tensor:
         """(B,) indices and per-sample params -> (B, C, H, W) float32 normalised views."""
