@@ -5,7 +5,7 @@ their memory bound on an H100. ``use_triton_convs(model)`` switches every eligib
 stride 1, padding 1, no bias, a power-of-two number of input channels or 1-3 (a stem's, on images),
 output channels a multiple of 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
 ``cowtune::conv3x3`` operator. On CUDA that operator runs the row-streaming kernels for the ops and
-shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's 16-, 32- and 64-channel layers) and
+shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's stem and 16-, 32- and 64-channel layers) and
 cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
 still runs (and is tested) on another. torch.compile keeps the operator whole, as it does cuDNN's;
 its backward (``cowtune::conv3x3_backward``) returns both gradients. The kernels are deterministic
@@ -124,7 +124,8 @@ def _input_grad(dy: Tensor, x: Tensor, w_lo: Tensor) -> Tensor:
     """dx of ``conv3x3`` (channels_last): the row kernel's, or cuDNN's where the row kernels do not compute it."""
     from trainables import conv_rows
 
-    dx = _rows("dgrad", x.shape, x.shape[1], w_lo.shape[0], lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
+    dx = _rows("dgrad", x.shape, x.shape[1], w_lo.shape[0],
+               lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
     if dx is None:
         dx = torch.ops.aten.convolution_backward(dy, x, w_lo, None, [1, 1], [1, 1], [1, 1], False,
                                                  [0, 0], 1, [True, False, False])[0]

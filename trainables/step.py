@@ -299,7 +299,8 @@ class StepRunner:
 
     def compile_key(self, batch: Batch) -> str:
         """What this step's compiled graphs depend on, as the first-compile lock names it."""
-        return step_key(torch.__version__, operators_version(), torch.cuda.get_device_name(self.device) if self.compile_locked else "",
+        return step_key(torch.__version__, operators_version(),
+                        torch.cuda.get_device_name(self.device) if self.compile_locked else "",
                         self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
