@@ -179,6 +179,7 @@ def test_compiled_augmentation_gives_the_eager_views(digits):
     """On a GPU the views are augmented under torch.compile (its default there); the same views as eagerly, up to
     the rounding of a fused multiply-add in the normalisation."""
     assert not digits.compiled   # CPU: eager by default
+    assert D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=20), 0, CPU, compiled=True).compiled
     compiled = copy.copy(digits)
     compiled.compiled = True
     for a, b in zip(digits.train_batches(1, 3, 16, 3, True), compiled.train_batches(1, 3, 16, 3, True), strict=True):

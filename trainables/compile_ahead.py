@@ -93,7 +93,7 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
     from trainables.trainer import build_runner, setup_device, train_epoch
 
     device = setup_device(cfg)
-    data = prepare_data(cfg.data, cfg.labeled_seed, device)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     runner = build_runner(cfg, data.num_classes, device)
     augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
     batch = next(iter(data.train_batches(0, cfg.seed, cfg.train.batch_size, 1, augment_twice)))

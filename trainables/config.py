@@ -122,7 +122,8 @@ class TrainSettings:
     device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
-    compile: bool | None = None       # torch.compile the forward passes; None: on for cuda, off for cpu
+    compile: bool | None = None       # torch.compile the forward passes (and the on-device augmentation); None:
+                                      # on for cuda, off for cpu
     compile_mode: str = "reduce-overhead"  # torch.compile mode (its CUDA graphs only with cuda_graph: model)
     cuda_graph: str = "step"          # cuda: "step" = one graph per training step, "model" = compile's own
                                       # graphs around each model pass, "none"

@@ -52,7 +52,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = get_device()
     if device.type == "cpu" and cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    data = prepare_data(cfg.data, cfg.labeled_seed, device)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, data.num_classes).to(device)
     apply_conv_kernels(student, cfg.train.conv_kernels, "model", device)   # DDP steps: graphs per model pass

@@ -196,7 +196,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
             raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
                               "use another output folder, or pass --restart to start over")
     device = setup_device(cfg)
-    data = data or prepare_data(cfg.data, cfg.labeled_seed, device)
+    data = data or prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     log(f"data: {data.describe()}")
     runner = build_runner(cfg, data.num_classes, device)
     student, teacher, optimizer, bf16 = runner.student, runner.teacher, runner.optimizer, runner.bf16

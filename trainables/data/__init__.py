@@ -75,12 +75,14 @@ def warm_decode_cache(cfg: "DataConfig") -> threading.Thread | None:
     return thread
 
 
-def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device) -> TrainData:
+def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device,
+                 compiled: bool | None = None) -> TrainData:
     """Load ``cfg.dataset``, split it and return the pipeline for ``device``.
 
     Args:
         cfg: the data config. labeled_seed: seed of the labeled subset (``TrainConfig.labeled_seed``).
         device: the training device; batches are returned there.
+        compiled: augment on the device under torch.compile (``train.compile``; None: on a GPU).
     Raises:
         ConfigError naming the data.* field at fault (unknown dataset, missing files, bad sizes).
     """
@@ -92,7 +94,7 @@ def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device) -> 
           f"be 'val' for dataset '{cfg.dataset}' (it has no test split)", cfg.eval_split)
     on_device = isinstance(raw.train_images, np.ndarray) and cfg.pipeline != "loader"
     if on_device:
-        return DeviceData(raw, splits, flip, cfg.pad, device, cfg.image_size)
+        return DeviceData(raw, splits, flip, cfg.pad, device, cfg.image_size, compiled=compiled)
     if isinstance(raw.train_images, np.ndarray):
         size = cfg.image_size or raw.train_images.shape[1]   # in-memory small images: native size
     else:
