@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           cuda_graph="step" if device.type == "cuda" else "none")
         StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
-        runner = build_runner(cfg, len(raw.class_names), device)
-        StepRunner.compile_ema = True
+        try:
+            runner = build_runner(cfg, len(raw.class_names), device)
+        finally:
+            StepRunner.compile_ema = True
         gen = runner.generator.manual_seed(0)
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

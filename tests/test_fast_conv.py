@@ -146,6 +146,17 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
             dx, dw = fast_conv._conv3x3_backward_cuda(dy, x, w, w, False)   # a first layer's: no input gradient
             assert dx.numel() == 0
             torch.testing.assert_close(dw, expect_dw, rtol=1e-4, atol=1e-4)
+        # a stem on the images' 3 channels, with the row kernels' entries: its forward and weight gradient, no dx
+        x3 = torch.randn(2, 3, 4, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        w3 = (torch.randn(16, 3, 3, 3, generator=g) / 5).contiguous(memory_format=torch.channels_last)
+        dy3 = torch.randn(2, 16, 4, 8, generator=g)
+        monkeypatch.setattr(module, "CONFIGS", {(op, 0, 3, 16, 4, 8): {"BM": 16, "SEGS": 2} for op in ("fprop", "wgrad")})
+        torch.testing.assert_close(fast_conv._conv3x3_cuda(x3, w3, w3), F.conv2d(x3, w3, padding=1), rtol=1e-4, atol=1e-4)
+        dx, dw = fast_conv._conv3x3_backward_cuda(dy3, x3, w3, w3, False)
+        expect_dw3 = torch.ops.aten.convolution_backward(dy3, x3, w3, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                         [False, True, False])[1]
+        assert dx.numel() == 0 and dw.stride() == w3.stride()
+        torch.testing.assert_close(dw, expect_dw3, rtol=1e-4, atol=1e-4)
     finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
         if before is None:
             del sys.modules["trainables.conv_rows"]

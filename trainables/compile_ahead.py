@@ -96,10 +96,14 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
     data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     runner = build_runner(cfg, data.num_classes, device)
     augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
-    batch = next(iter(data.train_batches(0, cfg.seed, cfg.train.batch_size, 1, augment_twice)))
+    # a chunk of steps, as a trial's epoch has them: the augmentation compiles for the shape the trials augment at
+    # (trainables.data.device)
+    steps = min(getattr(data, "chunk_steps", 1),
+                cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size))
+    batch = next(iter(data.train_batches(0, cfg.seed, cfg.train.batch_size, steps, augment_twice)))
     if runner.compile_locked and compiled_before(runner.compile_key(batch)):
         return None
-    train_epoch(cfg, runner, data, 0, 1, runner.optimizer.param_groups[0]["lr"])
+    train_epoch(cfg, runner, data, 0, steps, runner.optimizer.param_groups[0]["lr"])
     return runner.first_step or {}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import time
@@ -86,6 +87,7 @@ def step_key(*parts: object) -> str:
 OPERATOR_SOURCES = ("fast_conv.py", "wgrad_stream.py")
 
 
+@functools.cache
 def operators_version() -> str:
     """A hash of ``OPERATOR_SOURCES``: part of every compile-cache key (``tag_compile_caches``) and of the
     first-compile marker's, so a changed operator compiles afresh instead of loading code cached for the old one."""

@@ -421,6 +421,9 @@ def conv3x3_rows_dgrad(dy: torch.Tensor, w: torch.Tensor, *, config: dict | None
     _check_weight(w, dy.device)
     if w.shape[0] != dy.shape[1]:
         raise ValueError(f"w has {w.shape[0]} output channels but dy has {dy.shape[1]}")
+    if w.shape[1] < 4:
+        raise ValueError(f"no input gradient for a convolution of {w.shape[1]} input channels (a stem's, on images, "
+                         f"needs none): the row kernels need 16 or more output channels")
     sk, sc, sr, ss = w.stride()
     # B_r[s * K + k, c] = w[k, c, 2 - r, 2 - s]
     return _launch_fwd(dy, w, w.shape[1], (2 * sr + 2 * ss, -sr, -ss, sk, sc), (None, None), config)
@@ -470,6 +473,8 @@ def _sum_partials(part: torch.Tensor, tile: int = SUM_TILE, max_rows: int = SUM_
     once: with few columns (the stem's 432) a loop over the rows would leave the sum waiting on one load
     after another."""
     p, m = part.shape[0], part[0].numel()
+    if part.numel() >= _INT32_LIMIT:
+        raise ValueError(f"{part.numel()} partial sums; int32 indexing allows fewer than 2**31")
     block_p = min(triton.next_power_of_2(p), max_rows)
     block_m = max(16, tile // block_p)
     out = torch.empty(part.shape[1:], dtype=torch.float32, device=part.device)

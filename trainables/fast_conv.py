@@ -8,7 +8,8 @@ output channels a multiple of 16) to ``TritonConv2d``: the same parameters and s
 shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's stem and 16-, 32- and 64-channel layers) and
 cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
 still runs (and is tested) on another. torch.compile keeps the operator whole, as it does cuDNN's;
-its backward (``cowtune::conv3x3_backward``) returns both gradients. The kernels are deterministic
+its backward (``cowtune::conv3x3_backward``) returns both gradients (the input's only where it needs one: not
+for a stem on the images). The kernels are deterministic
 (the weight gradient adds per-program partial sums, no atomics).
 
 The trainer switches a model when ``train.conv_kernels`` is "triton" (the default), each step is one
