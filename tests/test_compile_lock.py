@@ -140,10 +140,14 @@ def test_operator_changes_key_the_compile_caches(tmp_path, monkeypatch):
 
     ours = f"cowtune-operators-{cl.operators_version()}"
     assert ours in compiler.cache_key_tag
-    monkeypatch.setattr(compiler, "cache_key_tag", "users-own")
-    cl.tag_compile_caches()
-    cl.tag_compile_caches()
-    assert compiler.cache_key_tag == f"users-own+{ours}"
+    before = compiler.cache_key_tag   # set and restored by hand: monkeypatch's undo would delete (hide) a torch config
+    try:
+        compiler.cache_key_tag = "users-own"
+        cl.tag_compile_caches()
+        cl.tag_compile_caches()
+        assert compiler.cache_key_tag == f"users-own+{ours}"
+    finally:
+        compiler.cache_key_tag = before
     for name in cl.OPERATOR_SOURCES:
         (tmp_path / name).write_bytes((Path(cl.__file__).parent / name).read_bytes())
     monkeypatch.setattr(cl, "__file__", str(tmp_path / "compile_lock.py"))
