@@ -28,9 +28,8 @@ adds them in a fixed order, so the result is deterministic (no atomics).
 
 Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): NHWC
 (channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4, or 1-3 (an image's:
-the tile holds 4, the rest zero); K a multiple of
-16; W a power of two; a tile of BM pixels (a power of two >= 16 and a multiple of W) and H divisible
-by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
+the tile holds 4, the rest zero); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
+two >= 16 and a multiple of W) and H divisible by the number of row bands. Measured (H100, bf16, CUDA-graph replay, L2 flushed;
 benchmarks/conv_rows_bench.py --table-only; docs/performance.md): at N=512, 32 channels, 32x32,
 forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight gradient 68.8 (112.3); at
 64 channels, 16x16, forward 34.4 (40.6) and input gradient 33.5 (35.0); the 16 -> 32 convolution
@@ -268,8 +267,10 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     # The stem, on the images' 3 channels (a 4-channel tile; no input gradient), swept on an H100 on 2026-11-27
     # (benchmarks/results/2026-11-27-h100-conv-rows-stem-kernels.json):
     ("fprop", 0, 3, 16, 32, 32): {"BM": 64, "SEGS": 4, "BN": 16, "num_warps": 4, "num_stages": 2},    # 17.4 / 81.2
-    ("wgrad", 0, 3, 16, 32, 32): {"BM": 64, "SEGS": 2, "BN": 16, "num_warps": 4, "num_stages": 2},    # 40.1 / 111.5
+    ("wgrad", 0, 3, 16, 32, 32): {"BM": 64, "SEGS": 2, "BN": 16, "num_warps": 4, "num_stages": 2},    # 33.7 / 111.2 (*)
     ("fprop", 256, 3, 16, 32, 32): {"BM": 64, "SEGS": 4, "BN": 16, "num_warps": 4, "num_stages": 3},  # 14.6 / 44.6
+    # (*) with the partial sums added by _sum_partials_kernel, swept again (...-conv-rows-stem-wgrad-resweep.json;
+    # 40.1 with torch's sum)
 }
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
