@@ -17,6 +17,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             under torch.compile
     eager-ema  as wgrad-stream, with the teacher EMA run eagerly (StepRunner.compile_ema false) instead of
             compiled
+    no-priority  as wgrad-stream, with the step graph captured on a stream of the default priority
+            (StepGraph.priority false) instead of a high-priority one
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -47,11 +49,12 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
+from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
-            "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-combo", "combo",
+VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
+            "no-combo", "combo", "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "no-combo", "combo",
                    "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
@@ -130,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
-        for _ in range(args.warmup):   # compile, capture
-            runner.step(next(batches), gen, 0.05, 0.97)
+        StepGraph.priority = v != "no-priority"   # read when the step is captured
+        try:
+            for _ in range(args.warmup):   # compile, capture
+                runner.step(next(batches), gen, 0.05, 0.97)
+        finally:
+            StepGraph.priority = True
         runner.read_metrics()
         print(f"  {v}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
         runners[v] = (runner, gen, batches)

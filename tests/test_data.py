@@ -172,7 +172,24 @@ def test_every_chunk_is_augmented_at_one_size(digits, monkeypatch):
     d = copy.copy(digits)
     d.chunk_steps = 3
     assert len(list(d.train_batches(0, 1, 16, 7, False))) == 7
-    assert sizes == [3 * 16] * 6   # 3 chunks x 2 views, the last one steps 4-6 (step 6 new)
+    assert sizes == [3 * 2 * 16] * 3   # 3 chunks of 3 steps x 2 views, the last one steps 4-6 (step 6 new)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_steps_views_lie_back_to_back(digits, twice):
+    """A captured step copies a step's images into its inputs at once when they lie one after the other in one
+    storage (trainables.step_graph.back_to_back), as the device pipeline lays them out; a batch put together from
+    separate tensors is copied view by view."""
+    from trainables.step_graph import back_to_back
+
+    for b in digits.train_batches(0, 1, 16, 5, twice):
+        views = [b.x_sup, b.x_unsup0] + ([b.x_unsup1] if twice else [])
+        assert (b.x_unsup1 is b.x_unsup0) != twice
+        block = back_to_back(views)
+        assert block is not None and block.shape == (len(views), *b.x_sup.shape)
+        assert all(torch.equal(block[i], v) for i, v in enumerate(views))
+        assert back_to_back([b.x_sup.clone(), b.x_unsup0.clone()]) is None
+        assert back_to_back([b.x_unsup0, b.x_sup]) is None   # the wrong order
 
 
 def test_compiled_augmentation_gives_the_eager_views(digits):

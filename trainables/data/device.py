@@ -142,7 +142,8 @@ class DeviceData:
     def _iterate(self, sup: Tensor, y: Tensor, unsup: Tensor, params: tuple[Tensor, Tensor, Tensor],
                  augment_twice: bool) -> Iterator[Batch]:
         steps, b = sup.shape
-        step_bytes = (3 if augment_twice else 2) * b * self.images[0].numel() * 4   # float32 views
+        views = 3 if augment_twice else 2
+        step_bytes = views * b * self.images[0].numel() * 4   # float32 views
         chunk = max(1, min(self.chunk_steps, CHUNK_BYTES // step_bytes))
         for c0 in range(0, steps, chunk):   # the views of `chunk` steps at once
             c1 = min(c0 + chunk, steps)
@@ -150,16 +151,14 @@ class DeviceData:
             # ones: each step's parameters are drawn beforehand): one shape for the compiled augmentation,
             # which would otherwise compile again at the end of the first epoch.
             a0 = max(0, c1 - chunk)
-
-            def views(v: int, idx: Tensor) -> Tensor:   # (steps augmented, B, C, H, W)
-                flat = (t[a0:c1].flatten() for t in (idx, *(p[v] for p in params)))
-                return self._augment(*flat).unflatten(0, (c1 - a0, b))
-
-            x_sup, x_u0 = views(0, sup), views(1, unsup)
-            x_u1 = views(2, unsup) if augment_twice else None
+            # One gather for all views, laid out (step, view, B, C, H, W): a step's views lie back to back, so a
+            # captured step copies them into its inputs at once (trainables.step_graph)
+            idx = torch.stack([sup[a0:c1], unsup[a0:c1]] + ([unsup[a0:c1]] if augment_twice else []), dim=1)
+            flat = (t.flatten() for t in (idx, *(p[:views, a0:c1].transpose(0, 1) for p in params)))
+            x = self._augment(*flat).unflatten(0, (c1 - a0, views, b))
             for s in range(c0 - a0, c1 - a0):
-                u0 = x_u0[s]
-                yield Batch(x_sup[s], y[a0 + s], u0, u0 if x_u1 is None else x_u1[s])
+                u0 = x[s, 1]
+                yield Batch(x[s, 0], y[a0 + s], u0, x[s, 2] if augment_twice else u0)
 
     def _augment(self, idx: Tensor, oy: Tensor, ox: Tensor, flips: Tensor) -> Tensor:
         """(B,) indices and per-sample params -> (B, C, H, W) float32 normalised views."""
