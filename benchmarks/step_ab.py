@@ -19,6 +19,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             compiled
     no-priority  as wgrad-stream, with the step graph captured on a stream of the default priority
             (StepGraph.priority false) instead of a high-priority one
+    one-update  as wgrad-stream, with the optimiser update and teacher EMA in one part after the weight-gradient
+            stream's join (StepRunner.update_in_parts false) instead of two around it
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -53,9 +55,9 @@ from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
-            "no-combo", "combo", "eager-masks-losses")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "no-combo", "combo",
-                   "eager-masks-losses")
+            "one-update", "no-combo", "combo", "eager-masks-losses")
+STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "one-update",
+                   "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -125,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           cuda_graph="step" if device.type == "cuda" else "none")
         StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
+        StepRunner.update_in_parts = v != "one-update"
         try:
             runner = build_runner(cfg, len(raw.class_names), device)
         finally:
-            StepRunner.compile_ema = True
+            StepRunner.compile_ema = StepRunner.update_in_parts = True
         gen = runner.generator.manual_seed(0)
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

@@ -21,6 +21,7 @@ from trainables.compile_lock import first_compile_lock, operators_version, step_
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
+from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
 from trainables.ssl.masks import device_constants
@@ -143,6 +144,7 @@ class StepRunner:
     """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
 
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
+    update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
@@ -202,6 +204,9 @@ class StepRunner:
         # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
         self.teacher_stream = torch.cuda.Stream(device) if device.type == "cuda" and not self.graphs else None
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
+        # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
+        self.update_parts = split_update(optimizer, self.pairs, student) \
+            if self.update_in_parts and self.wgrad_stream and self.step_graph is not None else None
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
         # {time/first_step_s, time/compile_wait_s} once the first step (compilation, cuDNN tuning, capture) ran
@@ -305,7 +310,7 @@ class StepRunner:
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
-                        self.cfg.train.compile_masks_and_losses, self.ema_compiled,
+                        self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
                         sorted(self.inductor_options.get("student", {}).items()))
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trainables.data import Batch
+from trainables.split_update import UpdatePart, sgd_part_
 from trainables.ssl.ema import ema_weight
 from trainables.wgrad_stream import backward_on_side
 
@@ -69,11 +70,21 @@ class StepGraph:
 
     def _body(self, r: Any, gen: torch.Generator) -> None:
         loss, stats = r.losses(self.inputs, gen)
+        parts = r.update_parts
         with backward_on_side(r.wgrad_stream, r.device):   # weight gradients on their own stream, joined at the end
             loss.backward()
-        r.optimizer.step()
-        r.ema(r.pairs, self.alpha, self.weight)
+            if parts is not None:   # before the join, what the main stream's gradients update (trainables.split_update)
+                self._update(r, parts[0])
+        if parts is None:
+            r.optimizer.step()
+            r.ema(r.pairs, self.alpha, self.weight)
+        else:
+            self._update(r, parts[1])
         r.add_stats(stats)
+
+    def _update(self, r: Any, part: UpdatePart) -> None:
+        sgd_part_(r.optimizer, part)
+        r.ema(part.pairs, self.alpha, self.weight)
 
     def _capture(self, r: Any, batch: Batch, gen: torch.Generator) -> None:
         self.images = torch.stack(_images(batch))
