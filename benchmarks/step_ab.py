@@ -21,6 +21,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (StepGraph.priority false) instead of a high-priority one
     one-update  as wgrad-stream, with the optimiser update and teacher EMA in one part after the weight-gradient
             stream's join (StepRunner.update_in_parts false) instead of two around it
+    untuned  as wgrad-stream, without Inductor's coordinate-descent tuning of the models' kernels
+            (train.tune_kernels false)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
@@ -55,9 +57,9 @@ from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
-            "one-update", "no-combo", "combo", "eager-masks-losses")
+            "one-update", "untuned", "no-combo", "combo", "eager-masks-losses")
 STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "one-update",
-                   "no-combo", "combo", "eager-masks-losses")
+                   "untuned", "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
 
 
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
+                          tune_kernels=v != "untuned",
                           cuda_graph="step" if device.type == "cuda" else "none")
         StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
         StepRunner.update_in_parts = v != "one-update"

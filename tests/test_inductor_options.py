@@ -36,3 +36,26 @@ def test_options_on_a_gpu_and_on_the_cpu():
 def test_a_combo_setting_that_is_not_a_bool_is_refused():
     with pytest.raises(ConfigError, match="combo_kernels"):
         cfg("wrn28_2", "yes")
+
+
+def test_kernels_tuned_unless_deterministic_or_in_a_search():
+    """Coordinate-descent tuning measures block sizes, so a deterministic run goes without; a search turns it off
+    where the config leaves it open (the tuning costs its first compile more than a trial gains), not where it is
+    set."""
+    import search_spaces.cifar10_cowmix as cowmix
+    from trainables.search_settings import parse_args, prepare_search
+    from trainables.step import tune_kernels_wanted
+
+    def with_train(**train):
+        return TrainConfig.from_dict({"model": "wrn28_2", "train": train})
+
+    assert tune_kernels_wanted(with_train()) and not tune_kernels_wanted(with_train(deterministic=True))
+    assert not tune_kernels_wanted(with_train(tune_kernels=False))
+    assert tune_kernels_wanted(with_train(tune_kernels=True, deterministic=True))
+    plan = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH, parse_args(cowmix.SEARCH, []))
+    assert plan.base["train"]["tune_kernels"] is False
+    plan = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH,
+                          parse_args(cowmix.SEARCH, ["--set", "train.tune_kernels=true"]))
+    assert plan.base["train"]["tune_kernels"] is True
+    with pytest.raises(ConfigError, match="tune_kernels"):
+        with_train(tune_kernels="yes")

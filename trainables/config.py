@@ -140,6 +140,9 @@ class TrainSettings:
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)
+    tune_kernels: bool | None = None  # cuda, compiled: Inductor's coordinate-descent tuning of the models'
+                                      # kernels (block sizes measured once per machine, then cached); None: on
+                                      # unless deterministic, and off in a search (trainables.step.tune_kernels_wanted)
     compile_masks_and_losses: bool = True  # compiled: the masks and mixing after their random draws with
                                       # the stacking of the student's batches, and the losses, compiled too
                                       # (trainables.step.student_inputs, loss_terms)
