@@ -199,7 +199,8 @@ class StepRunner:
         combo = combo_kernels_wanted(cfg)
         self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
                                  for name in ("student", "teacher")} if compiled else {}
-        if compiled and device.type == "cuda" and tune_kernels_wanted(cfg):
+        self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
+        if self.tuned:
             for options in self.inductor_options.values():
                 options["coordinate_descent_tuning"] = True
         self.student_forward = torch.compile(student, dynamic=False, options=self.inductor_options["student"]) \
