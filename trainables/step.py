@@ -19,6 +19,7 @@ from torch import nn
 from trainables import metrics as M
 from trainables.compile_lock import first_compile_lock, operators_version, step_key
 from trainables.config import MixPath, PerturbPath, TrainConfig
+from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.split_update import split_update
@@ -218,7 +219,7 @@ class StepRunner:
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
         # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
-        self.teacher_stream = torch.cuda.Stream(device) if device.type == "cuda" and not self.graphs else None
+        self.teacher_stream = shared_stream(device, "teacher") if device.type == "cuda" and not self.graphs else None
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
         self.update_parts = split_update(optimizer, self.pairs, student) \

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
 from trainables.split_update import UpdatePart, sgd_part_
 from trainables.ssl.ema import ema_weight
@@ -93,7 +94,7 @@ class StepGraph:
         for group in r.optimizer.param_groups:
             group["lr"] = self.lr            # fused SGD reads a device scalar: no host value baked in
         saved = _snapshot(r, gen)
-        side = torch.cuda.Stream(r.device)
+        side = shared_stream(r.device, "warm-up")
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_PASSES):
@@ -104,7 +105,7 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(gen)
         self.gen = gen
-        stream = torch.cuda.Stream(r.device, priority=HIGH_PRIORITY) if self.priority else None
+        stream = shared_stream(r.device, "capture", HIGH_PRIORITY) if self.priority else None
         # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             self._body(r, gen)
