@@ -49,7 +49,8 @@ def child(args: argparse.Namespace) -> dict:
         "model": args.model, "mix": {"name": "cowmix"},
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": args.batch, "device": args.device, "precision": "bf16" if cuda else "fp32",
-                  "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none"}})
+                  "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none",
+                  "tune_kernels": False}})   # as a search's trial compiles it (trainables.step.tune_kernels_wanted)
 
     raw = load_images(None, 2000)
     data = DeviceData(raw, make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint), True, 4, device)

@@ -71,7 +71,9 @@ def check_losses(conv_kernels: str = "triton") -> bool:
 
 
 def check_resume() -> bool:
-    cfg = config(compile=True, deterministic=True)
+    # a learning rate that changes every step: a resumed step that missed the schedule would show
+    cfg = TrainConfig.from_dict({**config(compile=True, deterministic=True).to_dict(),
+                                 "optim": {"schedule": "cosine", "cosine_half_epochs": 2.0}})
     data = prepare_data(cfg.data, 0, torch.device("cuda"))
     with tempfile.TemporaryDirectory() as tmp:
         fit(cfg, Path(tmp) / "straight", data=data, log=lambda s: None)

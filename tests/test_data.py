@@ -175,6 +175,36 @@ def test_every_chunk_is_augmented_at_one_size(digits, monkeypatch):
     assert sizes == [3 * 2 * 16] * 3   # 3 chunks of 3 steps x 2 views, the last one steps 4-6 (step 6 new)
 
 
+def _batches_view_by_view(d, epoch: int, seed: int, b: int, steps: int, twice: bool):
+    """A reference: each step's views augmented one by one from the pipeline's draws (its order of labeled and
+    unlabeled images, then crop offsets and flips for every view, step and image)."""
+    from trainables.data.batches import epoch_order
+
+    n = steps * b
+    sup = epoch_order(d._index["labeled"], n, _generator(seed, epoch, "labeled", CPU)).view(steps, b)
+    unsup = epoch_order(d._index["unlabeled"], n, _generator(seed, epoch, "unlabeled", CPU)).view(steps, b)
+    views = 3 if twice else 2
+    oy, ox, flips = D.device.crop_flip_params((views, steps, b), d.pad, d.flip, _generator(seed, epoch, "augment", CPU))
+
+    def view(v, idx, s):
+        return D.device.augment(d.images, idx[s], oy[v, s], ox[v, s], flips[v, s], d.pad, d._scale, d._shift)
+
+    for s in range(steps):
+        u0 = view(1, unsup, s)
+        yield view(0, sup, s), d.labels[sup[s]], u0, view(2, unsup, s) if twice else u0
+
+
+@pytest.mark.parametrize("twice", [False, True])
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_chunked_batches_are_the_views_made_one_by_one(digits, twice, chunk):
+    """All views of a chunk come from one gather laid out (step, view, B, ...); each is the one its own draws
+    give, also in a short last chunk."""
+    d = copy.copy(digits)
+    d.chunk_steps = chunk
+    for got, want in zip(d.train_batches(2, 7, 16, 7, twice), _batches_view_by_view(d, 2, 7, 16, 7, twice), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(got), want))
+
+
 @pytest.mark.parametrize("twice", [False, True])
 def test_a_steps_views_lie_back_to_back(digits, twice):
     """A captured step copies a step's images into its inputs at once when they lie one after the other in one

@@ -39,23 +39,28 @@ def test_a_combo_setting_that_is_not_a_bool_is_refused():
 
 
 def test_kernels_tuned_unless_deterministic_or_in_a_search():
-    """Coordinate-descent tuning measures block sizes, so a deterministic run goes without; a search turns it off
-    where the config leaves it open (the tuning costs its first compile more than a trial gains), not where it is
-    set."""
+    """Coordinate-descent tuning measures block sizes, so a deterministic run goes without; a search's trials turn
+    it off where their config leaves it open (the tuning costs the first compile, which every trial waits for,
+    more than a trial gains), in the worker process, not in the config: a promoted trial's config tunes."""
     import search_spaces.cifar10_cowmix as cowmix
-    from trainables.search_settings import parse_args, prepare_search
-    from trainables.step import tune_kernels_wanted
+    from trainables.step import tune_kernels_by_default, tune_kernels_wanted
+    from trainables.tune_trainable import train_trial
 
     def with_train(**train):
         return TrainConfig.from_dict({"model": "wrn28_2", "train": train})
 
-    assert tune_kernels_wanted(with_train()) and not tune_kernels_wanted(with_train(deterministic=True))
-    assert not tune_kernels_wanted(with_train(tune_kernels=False))
-    assert tune_kernels_wanted(with_train(tune_kernels=True, deterministic=True))
-    plan = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH, parse_args(cowmix.SEARCH, []))
-    assert plan.base["train"]["tune_kernels"] is False
-    plan = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH,
-                          parse_args(cowmix.SEARCH, ["--set", "train.tune_kernels=true"]))
-    assert plan.base["train"]["tune_kernels"] is True
+    tune_kernels_by_default(True)
+    try:
+        assert tune_kernels_wanted(with_train()) and not tune_kernels_wanted(with_train(deterministic=True))
+        assert not tune_kernels_wanted(with_train(tune_kernels=False))
+        assert tune_kernels_wanted(with_train(tune_kernels=True, deterministic=True))
+        trial = cowmix.BASE.to_dict()
+        trial["data"].update(eval_split="test", n_val=0)   # refused right after the worker's defaults are set
+        with pytest.raises(ConfigError, match="eval_split"):
+            train_trial({**trial, "_cowtune": {"mode": "search"}})
+        assert not tune_kernels_wanted(with_train()) and tune_kernels_wanted(with_train(tune_kernels=True))
+        assert trial["train"].get("tune_kernels") is None
+    finally:
+        tune_kernels_by_default(True)
     with pytest.raises(ConfigError, match="tune_kernels"):
         with_train(tune_kernels="yes")

@@ -142,7 +142,8 @@ class TrainSettings:
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)
     tune_kernels: bool | None = None  # cuda, compiled: Inductor's coordinate-descent tuning of the models'
                                       # kernels (block sizes measured once per machine, then cached); None: on
-                                      # unless deterministic, and off in a search (trainables.step.tune_kernels_wanted)
+                                      # unless deterministic, and off in a search's trials
+                                      # (trainables.step.tune_kernels_wanted)
     compile_masks_and_losses: bool = True  # compiled: the masks and mixing after their random draws with
                                       # the stacking of the student's batches, and the losses, compiled too
                                       # (trainables.step.student_inputs, loss_terms)

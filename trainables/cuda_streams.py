@@ -17,9 +17,12 @@ _STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 def shared_stream(device: torch.device, role: str, priority: int = 0) -> torch.cuda.Stream:
     """The process's stream for ``role`` on ``device``, made at the first call, with ``priority`` (lower is
-    higher; PyTorch clamps it to the device's range). Each role is asked for with one priority."""
+    higher, 0 the default; PyTorch's range is 0 down to -1 or lower). A role has one priority."""
     index = torch.device(device).index
     key = (torch.cuda.current_device() if index is None else index, role)
     if key not in _STREAMS:
         _STREAMS[key] = torch.cuda.Stream(key[0], priority=priority)
+    elif _STREAMS[key].priority != priority:
+        raise ValueError(f"the {role!r} stream of cuda:{key[0]} has priority {_STREAMS[key].priority}, "
+                         f"not {priority}")
     return _STREAMS[key]

@@ -123,8 +123,6 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     if args.epochs:
         d = merge(d, {"train": {"epochs": args.epochs}})
     d = apply_overrides(d, args.set)
-    if d.setdefault("train", {}).get("tune_kernels") is None:   # a trial's gain would not repay the tuning
-        d["train"]["tune_kernels"] = False
     data = d.setdefault("data", {})
     data["root"] = str(Path(data.get("root") or "data").resolve())   # trials run in other folders
     cfg = TrainConfig.from_dict(d)

@@ -43,16 +43,30 @@ def combo_kernels_wanted(cfg: TrainConfig) -> bool:
     return cfg.train.combo_kernels if cfg.train.combo_kernels is not None else cfg.model in COMBO_KERNEL_MODELS
 
 
+# What train.tune_kernels None means in this process: on, except where a search runs its trials (its trial
+# workers and its compile-ahead process turn it off with ``tune_kernels_by_default``)
+_TUNE_BY_DEFAULT = True
+
+
+def tune_kernels_by_default(on: bool) -> None:
+    """Set what ``train.tune_kernels`` None means in this process (the configs themselves keep None, so a
+    promoted trial's config tunes in its final training)."""
+    global _TUNE_BY_DEFAULT
+    _TUNE_BY_DEFAULT = on
+
+
 def tune_kernels_wanted(cfg: TrainConfig) -> bool:
     """``train.tune_kernels``, or where it is None, whether the run is not ``train.deterministic`` (the tuned block
-    sizes are measured, so another machine may pick others and round differently). A search sets it off where it
-    is None (``trainables.search_settings``): each trial's gain is smaller than the first compile's cost there.
+    sizes are measured, so another machine may pick others and round differently) and not a search's trial: each
+    trial's gain is smaller than what the tuning adds to the first compile, which every trial waits for.
 
     Inductor's coordinate-descent tuning times each Triton kernel of the student and the teacher with neighbouring
     block sizes at its first launch and keeps the fastest; the choices are cached on the machine, so only the first
     compile there pays (WRN-28-2 CowMix on an H100, 2026-11-27: +1.7% steps/s in the step, 203.3 against 199.9;
     its first compile some 100 s longer)."""
-    return cfg.train.tune_kernels if cfg.train.tune_kernels is not None else not cfg.train.deterministic
+    if cfg.train.tune_kernels is not None:
+        return cfg.train.tune_kernels
+    return _TUNE_BY_DEFAULT and not cfg.train.deterministic
 
 
 def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream: bool = False) -> dict[str, object]:

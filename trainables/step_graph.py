@@ -55,6 +55,9 @@ class StepGraph:
             raise ValueError("a captured step draws masks from the generator it was captured with: "
                              "pass runner.generator (re-seed it with manual_seed) instead of a new one")
         images = _images(batch)
+        if len(images) != len(self.images):
+            raise ValueError(f"a captured step takes {len(self.images)} views a batch, as at its capture; "
+                             f"this batch has {len(images)}")
         block = back_to_back(images)
         if block is not None and block.shape == self.images.shape:
             self.images.copy_(block, non_blocking=True)
@@ -64,8 +67,8 @@ class StepGraph:
         self.inputs.y_sup.copy_(batch.y_sup, non_blocking=True)
         # float32 on the host rounds as a fill would; pinned, the copy is asynchronous, and PyTorch's pinned-memory
         # cache keeps the block until the copy has run
-        values = torch.tensor([lr, alpha, ema_weight(alpha)], dtype=torch.float32)
-        self.scalars.copy_(values.pin_memory(), non_blocking=True)
+        values = torch.tensor([lr, alpha, ema_weight(alpha)], dtype=torch.float32, pin_memory=True)
+        self.scalars.copy_(values, non_blocking=True)
         self.graph.replay()
         r.count += 1
 

@@ -214,7 +214,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
-        f"{' (kernels tuned: a first compile on this machine takes a few minutes)' if runner.tuned else ''}"
+        f"{' (kernels tuned: the first compile of a step on a machine takes minutes more, later ones load it)' if runner.tuned else ''}"
         f"{' + CUDA graphs' if runner.graphs else ''}{' + one CUDA graph per step' if runner.step_graph else ''}, "
         f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
 

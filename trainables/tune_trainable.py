@@ -28,6 +28,7 @@ from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
+from trainables.step import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError
 
@@ -81,9 +82,10 @@ def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
 
 def train_trial(config: dict[str, Any]) -> None:
     meta = config[META]
+    search = meta["mode"] == "search"
+    tune_kernels_by_default(not search)   # a search's trial does not repay the tuning's longer first compile
     body = config[TRAIN_CONFIG]["config"] if TRAIN_CONFIG in config else {k: v for k, v in config.items() if k != META}
     cfg = TrainConfig.from_dict(body)
-    search = meta["mode"] == "search"
     if search and cfg.data.eval_split != "val":
         raise ConfigError(f"data.eval_split must be 'val' in a search, got {cfg.data.eval_split!r}")
     ctx = tune.get_context()
