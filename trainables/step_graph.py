@@ -12,7 +12,7 @@ copy when they lie back to back, as ``DeviceData``'s do) and the learning rate, 
 The graph is captured on a high-priority stream, the teacher's and the weight gradients' streams keeping
 the default priority. PyTorch instantiates graphs with per-node priorities (the stream's, at capture), so
 in each replay the student's kernels, the step's critical path, get the GPU first and the side streams'
-kernels fill in around them (WRN-28-2 CowMix on an H100: 196.0 -> 198.2 steps/s, 2026-11-27).
+kernels fill in around them (WRN-28-2 CowMix on an H100, 2026-11-27: 195.8 steps/s against 193.9 without).
 
 Requirements, met by ``StepRunner``: one mask generator object for the whole run (re-seeded, not
 replaced, each epoch), metric sums zeroed in place, and SGD with a tensor learning rate.
