@@ -36,6 +36,7 @@ Prints steps/s per variant and round, and the median per variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -61,6 +62,23 @@ VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-
 STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "one-update",
                    "untuned", "no-combo", "combo", "eager-masks-losses")
 COMBO = {"no-combo": False, "combo": True}
+# variants that turn off one of the trainer's class switches (on by default)
+SWITCHES = {"eager-ema": (StepRunner, "compile_ema"), "one-update": (StepRunner, "update_in_parts"),
+            "no-priority": (StepGraph, "priority")}
+
+
+@contextlib.contextmanager
+def switched_off(switch: tuple[type, str] | None):
+    """Within: the class attribute ``switch`` names set to False (nothing for None); restored on leaving."""
+    if switch is None:
+        yield
+        return
+    owner, name = switch
+    setattr(owner, name, False)
+    try:
+        yield
+    finally:
+        setattr(owner, name, True)
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -129,22 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           tune_kernels=v != "untuned",
                           cuda_graph="step" if device.type == "cuda" else "none")
-        StepRunner.compile_ema = v != "eager-ema"   # read when the runner is built
-        StepRunner.update_in_parts = v != "one-update"
-        try:
-            runner = build_runner(cfg, len(raw.class_names), device)
-        finally:
-            StepRunner.compile_ema = StepRunner.update_in_parts = True
-        gen = runner.generator.manual_seed(0)
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
-        StepGraph.priority = v != "no-priority"   # read when the step is captured
-        try:
+        with switched_off(SWITCHES.get(v)):   # read when the runner is built and when its step is captured
+            runner = build_runner(cfg, len(raw.class_names), device)
+            gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture
                 runner.step(next(batches), gen, 0.05, 0.97)
-        finally:
-            StepGraph.priority = True
         runner.read_metrics()
         print(f"  {v}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
         runners[v] = (runner, gen, batches)

@@ -38,13 +38,8 @@ def split_update(optimizer: torch.optim.SGD, pairs: EmaPairs, student: nn.Module
     for in_late in (False, True):
         groups = [(i, [p for p in g["params"] if (id(p) in late) == in_late])
                   for i, g in enumerate(optimizer.param_groups)]
-        keep = [i for i, s in enumerate(pairs.student_float) if (id(s) in late) == in_late]
-        part = EmaPairs.__new__(EmaPairs)
-        part.teacher_float = [pairs.teacher_float[i] for i in keep]
-        part.student_float = [pairs.student_float[i] for i in keep]
-        part.teacher_other = [] if in_late else pairs.teacher_other
-        part.student_other = [] if in_late else pairs.student_other
-        parts.append(UpdatePart([(i, ps) for i, ps in groups if ps], part))
+        ema = pairs.select(lambda s, in_late=in_late: (id(s) in late) == in_late, counters=not in_late)
+        parts.append(UpdatePart([(i, ps) for i, ps in groups if ps], ema))
     return parts[0], parts[1]
 
 

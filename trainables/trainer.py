@@ -43,6 +43,7 @@ RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cud
                "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
+TUNED_NOTE = " (kernels tuned: a step's first compile on a machine takes minutes more, later ones load it)"
 
 
 def _print(line: str) -> None:
@@ -214,7 +215,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
-        f"{' (kernels tuned: the first compile of a step on a machine takes minutes more, later ones load it)' if runner.tuned else ''}"
+        f"{TUNED_NOTE if runner.tuned else ''}"
         f"{' + CUDA graphs' if runner.graphs else ''}{' + one CUDA graph per step' if runner.step_graph else ''}, "
         f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
 

@@ -31,13 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainables.compile_lock import tag_compile_caches
+from trainables.cuda_streams import shared_stream
 
 # From here on, the version of this module's operators and fast_conv's (which imports it) is part of every
 # compile-cache key: the caches cannot see what an operator's backward does.
 tag_compile_caches()
 
 _on = False
-_STREAMS: dict[int, torch.cuda.Stream] = {}
 _HELD: dict[int, list[Tensor]] = {}   # per device: what the side stream reads, held until the join
 DELAY_CYCLES = 0   # > 0: the side stream first spins this many GPU clock cycles each time (a race check's
                    # widened window, benchmarks/gpu_checks.py; captured into a step graph like the rest)
@@ -66,9 +66,7 @@ def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
     if not _on or not reads[0].is_cuda:
         return None
     device = reads[0].device
-    side = _STREAMS.get(device.index)
-    if side is None:
-        side = _STREAMS[device.index] = torch.cuda.Stream(device)
+    side = shared_stream(device, "wgrad")
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         if DELAY_CYCLES:
@@ -86,7 +84,7 @@ def join_wgrad(device: torch.device) -> None:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index in _HELD:
-            torch.cuda.current_stream(device).wait_stream(_STREAMS[index])
+            torch.cuda.current_stream(device).wait_stream(shared_stream(device, "wgrad"))
             del _HELD[index]   # after the wait: from here on the main stream's order covers the side's reads
 
 

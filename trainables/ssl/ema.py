@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import struct
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,15 @@ class EmaPairs:
         self.student_float = s_params + [b for b in s_bufs if b.is_floating_point()]
         self.teacher_other = [b for b in t_bufs if not b.is_floating_point()]
         self.student_other = [b for b in s_bufs if not b.is_floating_point()]
+
+    def select(self, keep: Callable[[torch.Tensor], bool], counters: bool) -> "EmaPairs":
+        """The pairs whose student tensor ``keep`` accepts, and the integer buffers if ``counters``: a part of
+        the update, in the same order."""
+        part = copy.copy(self)
+        pairs = [(t, s) for t, s in zip(self.teacher_float, self.student_float) if keep(s)]
+        part.teacher_float, part.student_float = [t for t, _ in pairs], [s for _, s in pairs]
+        part.teacher_other, part.student_other = (self.teacher_other, self.student_other) if counters else ([], [])
+        return part
 
 
 def ema_weight(alpha: float | torch.Tensor) -> float | torch.Tensor:

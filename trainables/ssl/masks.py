@@ -21,8 +21,8 @@ def device_constants(values: tuple[float, ...], device: torch.device) -> torch.T
     """``values`` as a tensor of the default float type on ``device``, made once and kept. A mask's numbers
     (ranges, scales; and the step's loss weights and thresholds, ``trainables.step``) reach the arithmetic
     after the random draws as a tensor, so that code compiled for it serves every trial's numbers; and a CUDA
-    graph capture cannot copy from the host: the passes before it make the tensor. Kept for the life of the process (a few bytes each): a captured graph reads the tensor
-    but does not hold it."""
+    graph capture cannot copy from the host: the passes before it make the tensor. Kept for the life of the
+    process (a few bytes each): a captured graph reads the tensor but does not hold it."""
     return _constants(tuple(float(v) for v in values), torch.device(device), torch.get_default_dtype())
 
 
