@@ -10,15 +10,20 @@
    uncompiled, give the same losses and weights over several steps of the same batches: CowMix,
    supervised, Mean Teacher with two augmentations, and CowOut + CowMix together.
 4. The weight gradients on their own stream (train.wgrad_stream) give the same weights, bit for bit,
-   as on the main stream, over several compiled, CUDA-graphed steps of WRN-28-2 (deterministic cuDNN;
-   its row-kernel convolutions and the other, cuDNN's, ones), also with the side stream made late.
+   as the same layers with their weight gradients on the main stream, over several compiled, CUDA-graphed
+   steps of WRN-28-2 (deterministic cuDNN; its row-kernel convolutions and the other, cuDNN's, ones), also
+   with the side stream made late; again for the shake-shake WRN-26-2 (``wgrad_stream_shakeshake``). It
+   prints how far the switched layers are from the unswitched model (WRN-28-2: 0; shake-shake: float32
+   rounding, magnified by the check's exploding run, whose supervised loss goes 2.5 -> 15 in 6 steps).
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
 same day: wgrad_stream, resume and losses OK (differences 0, 0; losses within 0.80%). After the review's
 changes (late side stream, cowtune::conv2d keeping F.conv2d's layouts), with augmentation 8 steps at a
 time and combo kernels: NVIDIA H200, 2026-11-27, all OK (wgrad_stream, resume and step graph differences 0;
-losses within 0.80%).
+losses within 0.80%). With shared streams, the high-priority step graph and the update in two parts, and
+the shake-shake model without biases before batch norm: NVIDIA H100, 2026-11-27, resume, step_graph,
+wgrad_stream and wgrad_stream_shakeshake OK (differences 0).
 
     python benchmarks/gpu_checks.py
 """
@@ -38,9 +43,9 @@ from trainables.data import Batch, prepare_data  # noqa: E402
 from trainables.trainer import build_runner, fit  # noqa: E402
 
 
-def config(**train) -> TrainConfig:
+def config(model: str = "wrn28_2", **train) -> TrainConfig:
     return TrainConfig.from_dict({
-        "model": "wrn28_2", "data": {"dataset": "digits", "n_val": 300, "n_labeled": 50},
+        "model": model, "data": {"dataset": "digits", "n_val": 300, "n_labeled": 50},
         "mix": {"name": "cowmix", "conf_thresh": 0.0},
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
 
@@ -51,10 +56,10 @@ def weights_of(r) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def check_losses(conv_kernels: str = "triton") -> bool:
+def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
     device = torch.device("cuda")
-    fast_cfg = config(precision="bf16", compile=True, conv_kernels=conv_kernels)
-    plain_cfg = config(precision="fp32", compile=False, channels_last=False, stack_student_calls=False,
+    fast_cfg = config(model, precision="bf16", compile=True, conv_kernels=conv_kernels)
+    plain_cfg = config(model, precision="fp32", compile=False, channels_last=False, stack_student_calls=False,
                        conv_kernels="cudnn")
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
@@ -132,46 +137,53 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     return worst_loss < 1e-4 and diff < 1e-4
 
 
-def check_wgrad_stream(steps: int = 6) -> bool:
+def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2") -> bool:
     """The stream off, on, and on with the side stream made late (it spins ~50 us before each weight gradient,
     inside the captured graph too): a buffer the main stream overwrote, or a gradient it read, before the side
-    stream was done would show as a difference."""
+    stream was done would show as a difference. ``model`` trains (WRN-28-2: row kernels and cuDNN's; shake-shake:
+    cuDNN's alone, with its two first convolutions of a block as one on the main stream)."""
     from trainables import wgrad_stream
 
     device = torch.device("cuda")
     data = prepare_data(config().data, 0, device)
     batches = list(data.train_batches(0, 0, 64, steps, False))
     states = {}
-    for name, on, delay in (("off", False, 0), ("on", True, 0), ("on, late", True, 100_000)):
-        wgrad_stream.DELAY_CYCLES = delay
+    # "switched": the layers computed by the stream's operators, whose weight gradients stay on the main stream
+    for name, on, delay, side in (("off", False, 0, True), ("switched", True, 0, False), ("on", True, 0, True),
+                                  ("on, late", True, 100_000, True)):
+        wgrad_stream.DELAY_CYCLES, wgrad_stream.SIDE_STREAM = delay, side
         try:
-            r = build_runner(config(compile=True, deterministic=True, wgrad_stream=on), 10, device)
+            r = build_runner(config(model, compile=True, deterministic=True, wgrad_stream=on), 10, device)
             gen = r.generator.manual_seed(1)
             for batch in batches:
                 r.step(batch, gen, 0.05, 0.97)
             torch.cuda.synchronize()
         finally:
-            wgrad_stream.DELAY_CYCLES = 0
+            wgrad_stream.DELAY_CYCLES, wgrad_stream.SIDE_STREAM = 0, True
         states[name] = weights_of(r)
         print(f"  {name}: runner.wgrad_stream={r.wgrad_stream}")
     worst = 0.0
-    for name in ("on", "on, late"):
-        diffs = sorted(((states["off"][k] - states[name][k]).abs().max().item(), k) for k in states["off"])[::-1]
-        worst = max(worst, diffs[0][0])
-        print(f"  weight gradients on their own stream ({name}) vs the main stream, after {steps} steps: worst "
-              "state diffs " + ", ".join(f"{k} {d:.3g}" for d, k in diffs[:3]))
+    for base, name in (("switched", "on"), ("switched", "on, late"), ("off", "switched")):
+        diffs = sorted(((states[base][k] - states[name][k]).abs().max().item(), k) for k in states[base])[::-1]
+        if base == "switched":   # the side stream itself must change nothing, bit for bit
+            worst = max(worst, diffs[0][0])
+        scale = {k: states[base][k].abs().max().item() for _, k in diffs[:3]}
+        print(f"  {name} vs {base}, after {steps} steps: worst state diffs "
+              + ", ".join(f"{k} {d:.3g} (of {scale[k]:.3g})" for d, k in diffs[:3]))
     return worst == 0.0
 
 
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
+              "losses_shakeshake": lambda: check_losses(model="wrn26_2_shakeshake"),
               "resume": check_resume, "step_graph": check_step_graph,
               "step_graph_supervised": lambda: check_step_graph(method={}),
               "step_graph_mean_teacher": lambda: check_step_graph(method={"perturb": {"name": "mean_teacher"}}),
               "step_graph_cowout_cowmix": lambda: check_step_graph(method={"perturb": {"name": "cowout"},
                                                                           "mix": {"name": "cowmix"}}),
-              "wgrad_stream": check_wgrad_stream}
+              "wgrad_stream": check_wgrad_stream,
+              "wgrad_stream_shakeshake": lambda: check_wgrad_stream(model="wrn26_2_shakeshake")}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

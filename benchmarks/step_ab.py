@@ -27,8 +27,17 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
             losses, run eagerly (train.compile_masks_and_losses false) instead of compiled
+    two-first-convs  as wgrad-stream, with a shake-shake block's two first convolutions run one by one
+            (ShakeShakeBlock.one_first_conv false) instead of as one
+    biased-bn-convs  as wgrad-stream, with the shake-shake model's convolutions that feed a batch norm given a bias
+            (ShakeShakeBlock.bias_free_bn_convs false), as in the reference
+    reference-convs  both of the above
+
+``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
+shake-shake model's tuned compile takes minutes).
 
     python benchmarks/step_ab.py --variants cudnn,triton --rounds 3 --steps 300 --json out.json
+    python benchmarks/step_ab.py --model wrn26_6_shakeshake --untuned --variants wgrad-stream,reference-convs
     python benchmarks/step_ab.py --device cpu --tiny        # smoke run
 
 Prints steps/s per variant and round, and the median per variant.
@@ -53,32 +62,35 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
+from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
-            "one-update", "untuned", "no-combo", "combo", "eager-masks-losses")
+            "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
+            "reference-convs")
 STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "one-update",
-                   "untuned", "no-combo", "combo", "eager-masks-losses")
+                   "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
+                   "reference-convs")
 COMBO = {"no-combo": False, "combo": True}
-# variants that turn off one of the trainer's class switches (on by default)
-SWITCHES = {"eager-ema": (StepRunner, "compile_ema"), "one-update": (StepRunner, "update_in_parts"),
-            "no-priority": (StepGraph, "priority")}
+# variants that turn off some of the trainer's and models' class switches (on by default)
+SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRunner, "update_in_parts"),),
+            "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
+            "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
+            "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs"))}
 
 
 @contextlib.contextmanager
-def switched_off(switch: tuple[type, str] | None):
-    """Within: the class attribute ``switch`` names set to False (nothing for None); restored on leaving."""
-    if switch is None:
-        yield
-        return
-    owner, name = switch
-    setattr(owner, name, False)
+def switched_off(switches: tuple[tuple[type, str], ...] = ()):
+    """Within: the class attributes ``switches`` name set to False; restored on leaving."""
+    for owner, name in switches:
+        setattr(owner, name, False)
     try:
         yield
     finally:
-        setattr(owner, name, True)
+        for owner, name in switches:
+            setattr(owner, name, True)
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="conv_rows_bench.py results to take the row configurations from")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps, no compile")
+    p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning in any variant")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     for v in variants:
@@ -145,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
-                          tune_kernels=v != "untuned",
+                          tune_kernels=v != "untuned" and not args.untuned,
                           cuda_graph="step" if device.type == "cuda" else "none")
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
-        with switched_off(SWITCHES.get(v)):   # read when the runner is built and when its step is captured
+        with switched_off(SWITCHES.get(v, ())):   # read when the runner is built and when its step is captured
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

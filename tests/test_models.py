@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainables.models import (
-    ShakeShakeBlock, SameConv2d, count_parameters, create_model, list_models, register_model,
+    BnFedConv2d, ShakeShakeBlock, SameConv2d, count_parameters, create_model, list_models, register_model,
     same_pad, shake_combine,
 )
 from trainables.validation import ConfigError
@@ -56,8 +56,9 @@ def test_cnn_tiny_small_input():
 
 
 @pytest.mark.parametrize("name,classes,expected", [
-    ("wrn26_6_shakeshake", 10, 26_953_898),
-    ("wrn26_6_shakeshake", 100, 26_988_548),
+    # the reference's 26,953,898 and 26,988,548 less the 11,424 biases of convolutions that feed a batch norm
+    ("wrn26_6_shakeshake", 10, 26_942_474),
+    ("wrn26_6_shakeshake", 100, 26_977_124),
     ("wrn28_2", 10, 1_467_610),
     ("resnet50", 1000, 25_557_032),
     ("resnet152", 1000, 60_192_808),
@@ -105,6 +106,72 @@ def test_block_train_gates_depend_on_rng():
     out3 = block(x)
     assert not torch.allclose(out1, out2)
     torch.testing.assert_close(out1, out3)
+
+
+@pytest.fixture
+def switches():
+    """Restores ShakeShakeBlock's class switches after a test that flips them."""
+    saved = ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs
+    yield ShakeShakeBlock
+    ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs = saved
+
+
+def _outputs_and_grads(model, x, seed=1):
+    torch.manual_seed(seed)   # the shake-shake gates
+    y = model(x)
+    y.square().sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_one_first_conv_computes_what_two_do(switches, train):
+    """Both branches' first convolutions as one stacked convolution: the same outputs and gradients (float64),
+    in a stride-1 and a stride-2 (SAME-padded) block alike."""
+    model = create_model("wrn26_2_shakeshake", 10).double().train(train)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    switches.one_first_conv = True
+    y1, g1 = _outputs_and_grads(model, x)
+    model.zero_grad()
+    switches.one_first_conv = False
+    y2, g2 = _outputs_and_grads(model, x)
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_bias_free_model_matches_the_reference_layout(switches):
+    """The reference's convolutions feeding a batch norm have a (zero-initialised) bias: with the same weights,
+    the bias-free model gives the same outputs and gradients in training, the biases' own gradient is zero (so
+    in the reference they never move), and the reference's state dict loads into ours."""
+    switches.bias_free_bn_convs = False
+    ref = create_model("wrn26_2_shakeshake", 10).double().train()
+    switches.bias_free_bn_convs = True
+    ours = create_model("wrn26_2_shakeshake", 10).double().train()
+    biased = {k for k, m in ref.named_modules() if type(m) is SameConv2d and m.bias is not None}
+    assert len(biased) == 1 + len([m for m in ours.modules() if isinstance(m, BnFedConv2d)])   # + the stem
+    assert all(ours.get_submodule(k).bias is None for k in biased if k != "stem")
+    assert ours.load_state_dict(ref.state_dict()).missing_keys == []
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    y_ref, g_ref = _outputs_and_grads(ref, x)
+    y, g = _outputs_and_grads(ours, x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for n in g:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-10, atol=1e-12, msg=n)
+    dead = [n for n in g_ref if n not in g]
+    assert len(dead) == len(biased) - 1 and all(n.endswith(".bias") for n in dead)
+    assert max(g_ref[n].abs().max().item() for n in dead) < 1e-9 * max(v.abs().max().item() for v in g.values())
+    ours.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_bn_fed_conv_refuses_a_nonzero_bias():
+    conv = BnFedConv2d(4, 8, 3)
+    state = {"weight": conv.weight.detach().clone(), "bias": torch.zeros(8)}
+    conv.load_state_dict(state)   # the reference's zero bias is dropped
+    state["bias"][3] = 0.5
+    with pytest.raises(RuntimeError, match="bias: this convolution feeds a batch norm"):
+        conv.load_state_dict(state)
 
 
 def test_model_eval_is_deterministic():

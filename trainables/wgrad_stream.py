@@ -41,6 +41,8 @@ _on = False
 _HELD: dict[int, list[Tensor]] = {}   # per device: what the side stream reads, held until the join
 DELAY_CYCLES = 0   # > 0: the side stream first spins this many GPU clock cycles each time (a race check's
                    # widened window, benchmarks/gpu_checks.py; captured into a step graph like the rest)
+SIDE_STREAM = True   # False: what would launch on the side stream runs on the current one (a race check's
+                     # control: the same operators and kernels in one stream order, benchmarks/gpu_checks.py)
 
 
 @contextlib.contextmanager
@@ -63,7 +65,7 @@ def on_side(compute: Callable[[], Tensor], *reads: Tensor) -> Tensor | None:
     GPU. ``reads``: the tensors ``compute`` reads. They are held until the join: nothing frees them, and
     autograd cannot add another gradient into one of them in place (it does that only to a tensor nobody
     else holds), before the side stream has read them."""
-    if not _on or not reads[0].is_cuda:
+    if not (_on and SIDE_STREAM) or not reads[0].is_cuda:
         return None
     device = reads[0].device
     side = shared_stream(device, "wgrad")
@@ -185,11 +187,11 @@ def stream_class(cls: type) -> type:
 def stream_eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution ``cowtune::conv2d`` computes: an ``nn.Conv2d`` (or a subclass that keeps its
     convolution) without bias, with zero padding given in numbers, no dilation or groups, not switched already
-    (to this class or to the row kernels' ``TritonConv2d``). Biased ones stay as they are: in the shake-shake
-    WRN (all of whose convolutions have a bias) the switched step with the stream on trained to weights 0.02
-    apart after 3 steps from the unswitched one with it off, the same way run to run (which a replayed CUDA
-    graph would also do with a race in it: not pinned down), and gained nothing (H100: 20.1 steps/s either
-    way)."""
+    (to this class or to the row kernels' ``TritonConv2d``). Biased ones stay as they are (the operator has no
+    bias). In the shake-shake WRN, whose convolutions feeding a batch norm lost their bias, the switched layers
+    train to the same weights with the stream on, on and late, and off (``gpu_checks.py
+    wgrad_stream_shakeshake``); against the unswitched model they differ by float32 rounding, which that
+    check's exploding 6-step run magnifies (7e-8 after 2 steps; in bf16 no bit until step 6)."""
     from trainables.fast_conv import TritonConv2d
 
     return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
