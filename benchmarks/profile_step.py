@@ -38,13 +38,14 @@ def main() -> int:
     p.add_argument("--conv-kernels", default="triton", choices=("cudnn", "triton"),
                    help="the 3x3 convolutions: our Triton kernels where they beat cuDNN, or cuDNN (train.conv_kernels)")
     p.add_argument("--trace", help="write a Chrome trace here")
+    p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning (a shorter compile)")
     args = p.parse_args()
     device = torch.device("cuda")
     autotune_convolutions()   # as the trainer does unless train.deterministic
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
-                      args.cuda_graph, conv_kernels=args.conv_kernels)
+                      args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None)
     runner = build_runner(cfg, 10, device)
     if args.no_teacher_stream:
         runner.teacher_stream = None
