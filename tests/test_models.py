@@ -140,9 +140,10 @@ def test_one_first_conv_computes_what_two_do(switches, train):
 
 
 def test_bias_free_model_matches_the_reference_layout(switches):
-    """The reference's convolutions feeding a batch norm have a (zero-initialised) bias: with the same weights,
-    the bias-free model gives the same outputs and gradients in training, the biases' own gradient is zero (so
-    in the reference they never move), and the reference's state dict loads into ours."""
+    """The reference's convolutions feeding a batch norm have a bias: with the same weights, the bias-free model
+    gives the same outputs and gradients in training, the biases' own gradient is zero up to rounding, and the
+    reference's state dict loads into ours, biases (made nonzero here, as rounding leaves them after training)
+    folded into the running means, so eval mode gives the same outputs too."""
     switches.bias_free_bn_convs = False
     ref = create_model("wrn26_2_shakeshake", 10).double().train()
     switches.bias_free_bn_convs = True
@@ -150,28 +151,28 @@ def test_bias_free_model_matches_the_reference_layout(switches):
     biased = {k for k, m in ref.named_modules() if type(m) is SameConv2d and m.bias is not None}
     assert len(biased) == 1 + len([m for m in ours.modules() if isinstance(m, BnFedConv2d)])   # + the stem
     assert all(ours.get_submodule(k).bias is None for k in biased if k != "stem")
+    with torch.no_grad():
+        for k in biased:
+            ref.get_submodule(k).bias.normal_()
+        for m in ref.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(), m.running_var.uniform_(0.5, 2.0)
     assert ours.load_state_dict(ref.state_dict()).missing_keys == []
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    ref.eval()
+    ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-10, atol=1e-10)
+    ref.train()
+    ours.train()
     y_ref, g_ref = _outputs_and_grads(ref, x)
     y, g = _outputs_and_grads(ours, x)
-    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     for n in g:
-        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-10, atol=1e-12, msg=n)
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-8, atol=1e-10, msg=n)
     dead = [n for n in g_ref if n not in g]
     assert len(dead) == len(biased) - 1 and all(n.endswith(".bias") for n in dead)
     assert max(g_ref[n].abs().max().item() for n in dead) < 1e-9 * max(v.abs().max().item() for v in g.values())
-    ours.eval(), ref.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), ref(x), rtol=1e-12, atol=1e-12)
-
-
-def test_bn_fed_conv_refuses_a_nonzero_bias():
-    conv = BnFedConv2d(4, 8, 3)
-    state = {"weight": conv.weight.detach().clone(), "bias": torch.zeros(8)}
-    conv.load_state_dict(state)   # the reference's zero bias is dropped
-    state["bias"][3] = 0.5
-    with pytest.raises(RuntimeError, match="bias: this convolution feeds a batch norm"):
-        conv.load_state_dict(state)
 
 
 def test_model_eval_is_deterministic():

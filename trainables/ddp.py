@@ -27,6 +27,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import prepare_data
 from trainables.fast_conv import apply_conv_kernels
+from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import create_model
 from trainables.optim import make_optimizer
 from trainables.ssl.ema import make_teacher
@@ -65,7 +66,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as d:
             state = torch.load(Path(d) / STATE, map_location=device, weights_only=False)
         student.load_state_dict(state["student"]), teacher.load_state_dict(state["teacher"])
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(upgrade_optimizer_state(state["optimizer"], state["student"], student))
         start = state["epoch"]
     replica = prepare_model(student, move_to_device=False)      # DistributedDataParallel (gloo on CPU, nccl on GPU)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")

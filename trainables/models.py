@@ -5,15 +5,16 @@ arXiv:2003.12022. The shake-shake WRN follows the published implementation
 (`architectures/model_wrn_shakeshake.py`), see reference §6.1: 3x3 conv + BN shortcuts, LeCun
 truncated-normal init and TF "SAME" padding on stride-2 convs. Its convolutions that feed a batch norm
 carry no bias (``BnFedConv2d``): the reference gives them one, but batch norm takes each channel's mean
-out, so the bias changes no output, its gradient is zero, and with the L2 penalty on kernels only it
-stays at its zero init; 26,942,474 parameters for 10 classes where the reference counts 26,953,898.
+out, so the bias changes no output, its gradient is zero (up to rounding), and with the L2 penalty on
+kernels only it stays at about its zero init; 26,942,474 parameters for 10 classes where the reference
+counts 26,953,898. A state dict with those biases loads, each folded into its batch norm's running mean.
 
 All models take NCHW float images (any size ≥ 32; `cnn_tiny` ≥ 8) and return logits (N, classes).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -98,20 +99,11 @@ class SameConv2d(nn.Conv2d):
 class BnFedConv2d(SameConv2d):
     """A ``SameConv2d`` without bias whose output goes straight into a batch norm, which would cancel one.
 
-    A state dict that has the bias (the reference's layout, or a checkpoint of ours from before) loads when the
-    bias is zero, as it always is there; a nonzero one is an error, not dropped in silence."""
+    A state dict that has the bias (the reference's layout, or a checkpoint of ours from before) loads through
+    ``ShakeShakeBlock``, which folds the bias into that batch norm's running mean."""
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1):
         super().__init__(cin, cout, kernel, stride, bias=False)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        bias = state_dict.pop(prefix + "bias", None)
-        if bias is not None and torch.count_nonzero(bias):
-            error_msgs.append(f"{prefix}bias: this convolution feeds a batch norm and has no bias, but the state dict "
-                              f"gives it a nonzero one (max |b| {bias.abs().max().item():.3g})")
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
 
 
 def lecun_init_(model: nn.Module) -> None:
@@ -213,8 +205,10 @@ def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
 class ShakeShakeBlock(nn.Module):
     """Two-branch shake-shake block (Gastaldi, arXiv:1705.07485) as in arXiv:2003.12022 §6.1."""
 
-    one_first_conv = True       # both branches' first convolutions (same input) as one of twice the width
-    bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias (read when built)
+    # switches for A/B timings (benchmarks/step_ab.py), on by default:
+    one_first_conv = True       # both branches' first convolutions (same input) as one of twice the width;
+                                # read at each forward (once, when compiled or captured)
+    bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -223,6 +217,27 @@ class ShakeShakeBlock(nn.Module):
         if stride != 1 or cin != cout:
             # One 3x3 conv + BN on the raw input, not the paper-original pooled 1x1 pair.
             self.shortcut = nn.Sequential(_bn_fed_conv(cin, cout, stride), nn.BatchNorm2d(cout))
+
+    def bn_fed_convs(self) -> Iterator[tuple[str, str]]:
+        """(convolution, batch norm) names, relative to the block, of each ``BnFedConv2d`` and the batch norm
+        it feeds."""
+        for name, seq in self.named_children():
+            if isinstance(seq, nn.Sequential):
+                for i, (conv, bn) in enumerate(zip(seq, seq[1:])):
+                    if isinstance(conv, BnFedConv2d) and isinstance(bn, nn.BatchNorm2d):
+                        yield f"{name}.{i}", f"{name}.{i + 1}"
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:
+        """A state dict whose convolutions feeding a batch norm have a bias loads with the bias folded into that
+        batch norm's running mean (``running_mean - bias``): the same outputs in eval mode, and in training,
+        where batch norm subtracts the batch mean, none to change. (In a trained reference-layout model the
+        bias is not exactly zero: its gradient is zero up to rounding, which momentum adds up.)"""
+        for conv, bn in self.bn_fed_convs():
+            bias = state_dict.pop(f"{prefix}{conv}.bias", None)
+            mean = f"{prefix}{bn}.running_mean"
+            if bias is not None and mean in state_dict:
+                state_dict[mean] = state_dict[mean] - bias.to(state_dict[mean].dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def branches(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both branches on ``x``. Their first convolutions read the same ReLU(x), so with ``one_first_conv`` they

@@ -15,12 +15,17 @@ from torch import nn
 from trainables.config import OptimConfig, TrainConfig
 
 
+def is_kernel(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s parameter ``name`` is a conv or linear weight, the ones the L2 penalty covers."""
+    return name == "weight" and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear))
+
+
 def make_optimizer(model: nn.Module, cfg: OptimConfig, batch_size: int) -> torch.optim.SGD:
+    """SGD over two groups, in ``model.modules()`` order: the kernels (with L2), then every other parameter."""
     decay, no_decay = [], []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            is_kernel = name == "weight" and isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear))
-            (decay if is_kernel else no_decay).append(p)
+            (decay if is_kernel(module, name) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.l2}, {"params": no_decay, "weight_decay": 0.0}]
     base = cfg.lr_per_256 * batch_size / 256
     fused = next(model.parameters()).is_cuda  # one kernel for the whole update instead of a few per group

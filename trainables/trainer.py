@@ -25,6 +25,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, prepare_data, stream_seed
 from trainables.fast_conv import apply_conv_kernels
+from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.gpu_turns import gpu_identity, gpu_turn
 from trainables.models import create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
@@ -209,7 +210,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     if resume is not None:
         student.load_state_dict(resume["student"])
         teacher.load_state_dict(resume["teacher"])
-        optimizer.load_state_dict(resume["optimizer"])
+        optimizer.load_state_dict(upgrade_optimizer_state(resume["optimizer"], resume["student"], student))
         history, start_epoch = resume["history"], resume["epoch"]
         log(f"resumed from {ckpt_path} at epoch {start_epoch}")
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
