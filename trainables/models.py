@@ -245,7 +245,7 @@ class ShakeShakeBlock(nn.Module):
         input gradient that adds both branches' contributions as it goes."""
         if not self.one_first_conv:
             return self.branch_a(x), self.branch_b(x)
-        conv_a, conv_b = self.branch_a[1], self.branch_b[1]
+        conv_a, conv_b = self.branch_a[1], self.branch_b[1]   # _branch: ReLU, conv, BN, ReLU, conv, BN
         r = F.relu(x)
         if conv_a.dynamic_pad:
             r = same_pad(r, conv_a.kernel_size[0], conv_a.stride[0])
