@@ -25,8 +25,8 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, prepare_data, stream_seed
 from trainables.fast_conv import apply_conv_kernels
-from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.gpu_turns import gpu_identity, gpu_turn
+from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
