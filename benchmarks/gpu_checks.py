@@ -181,15 +181,15 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
 
 
 def check_step_sync(steps: int = 6, model: str = "wrn28_2") -> bool:
-    """The same compiled, CUDA-graphed steps with and without the host waiting for the GPU after each: a step
-    whose result depended on how far the host runs ahead (a race between one step's work and the next's)
-    would show as a difference. Both with the switched layers and without (train.wgrad_stream on and off)."""
+    """The same compiled, CUDA-graphed steps with and without the host waiting for the GPU (and reading the
+    metrics) after each: a step whose result depended on how far the host runs ahead (a race from one step's
+    work into the next's) would show as a difference. With the layers switched to the stream's operators and
+    without (train.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced."""
     device = torch.device("cuda")
     data = prepare_data(config().data, 0, device)
     batches = list(data.train_batches(0, 0, 64, steps, False))
-    worst = 0.0
+    states = {}
     for on in (False, True):
-        states = {}
         for sync in (False, True):
             r = build_runner(config(model, compile=True, deterministic=True, wgrad_stream=on), 10, device)
             gen = r.generator.manual_seed(1)
@@ -197,12 +197,19 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2") -> bool:
                 r.step(batch, gen, 0.05, 0.97)
                 if sync:
                     torch.cuda.synchronize()
+                    r.read_metrics()
             torch.cuda.synchronize()
-            states[sync] = weights_of(r)
-        diffs = sorted(((states[False][k] - states[True][k]).abs().max().item(), k) for k in states[True])[::-1]
-        worst = max(worst, diffs[0][0])
-        print(f"  wgrad_stream {'on' if on else 'off'}: run ahead vs a sync after each of {steps} steps: worst state "
-              "diffs " + ", ".join(f"{k} {d:.3g}" for d, k in diffs[:3]))
+            states[on, sync] = weights_of(r)
+    worst = 0.0
+    for a, b, label in (((False, False), (False, True), "unswitched: run ahead vs synced"),
+                        ((True, False), (True, True), "switched: run ahead vs synced"),
+                        ((False, True), (True, True), "synced: unswitched vs switched"),
+                        ((False, False), (True, False), "run ahead: unswitched vs switched")):
+        diffs = sorted(((states[a][k] - states[b][k]).abs().max().item(), k) for k in states[a])[::-1]
+        if a[0] == b[0]:
+            worst = max(worst, diffs[0][0])
+        print(f"  {label}, after {steps} steps: worst state diffs "
+              + ", ".join(f"{k} {d:.3g} (of {states[a][k].abs().max().item():.3g})" for d, k in diffs[:3]))
     return worst == 0.0
 
 
