@@ -28,8 +28,9 @@ the shake-shake model without biases before batch norm (NVIDIA H100, 2026-11-27)
 wgrad_stream (its earlier form, on against off) OK, differences 0; losses_shakeshake OK (supervised 0.09%,
 CowMix 1.8%). wgrad_stream_shakeshake in this form: on, and on and late, against switched 0, bit for bit; but
 switched against off far apart (running variances 211 against 19.2 after 6 bf16 steps), where a probe that
-waited for the GPU after each step found the two bit-identical to step 5 in bf16: not explained yet, and
-step_sync (new, not yet run) is the next thing to run.
+waited for the GPU after each step found the two bit-identical to step 5 in bf16. That run came first in its
+process and this check did not yet set deterministic cuDNN itself (it does now): the likely cause, not yet
+confirmed; step_sync (new) has not run yet.
 
     python benchmarks/gpu_checks.py
 """
@@ -54,6 +55,12 @@ def config(model: str = "wrn28_2", **train) -> TrainConfig:
         "model": model, "data": {"dataset": "digits", "n_val": 300, "n_labeled": 50},
         "mix": {"name": "cowmix", "conf_thresh": 0.0},
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
+
+
+def deterministic_cudnn() -> None:
+    """cuDNN's deterministic algorithms, chosen by its heuristics, as ``train.deterministic`` asks: ``fit`` sets
+    these (``trainer.setup_device``), ``build_runner`` does not, so a check that builds runners itself must."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def weights_of(r) -> dict[str, torch.Tensor]:
@@ -112,7 +119,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     if method is not None:
         cfgs = [TrainConfig.from_dict({**{k: v for k, v in c.to_dict().items() if k not in ("mix", "perturb")},
                                        **method}) for c in cfgs]
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    deterministic_cudnn()
     data = prepare_data(cfgs[0].data, 0, device)
     twice = cfgs[0].perturb is not None and cfgs[0].perturb.regularizer.augment_twice
     batches = []
@@ -152,6 +159,7 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
     from trainables import wgrad_stream
 
     device = torch.device("cuda")
+    deterministic_cudnn()
     data = prepare_data(config().data, 0, device)
     batches = list(data.train_batches(0, 0, 64, steps, False))
     states = {}
@@ -180,12 +188,14 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
     return worst == 0.0
 
 
-def check_step_sync(steps: int = 6, model: str = "wrn28_2") -> bool:
+def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda") -> bool:
     """The same compiled, CUDA-graphed steps with and without the host waiting for the GPU (and reading the
     metrics) after each: a step whose result depended on how far the host runs ahead (a race from one step's
     work into the next's) would show as a difference. With the layers switched to the stream's operators and
     without (train.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced."""
-    device = torch.device("cuda")
+    device = torch.device(where)   # (a CPU run checks this function's own logic only)
+    deterministic_cudnn()
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     data = prepare_data(config().data, 0, device)
     batches = list(data.train_batches(0, 0, 64, steps, False))
     states = {}
@@ -196,9 +206,9 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2") -> bool:
             for batch in batches:
                 r.step(batch, gen, 0.05, 0.97)
                 if sync:
-                    torch.cuda.synchronize()
+                    wait()
                     r.read_metrics()
-            torch.cuda.synchronize()
+            wait()
             states[on, sync] = weights_of(r)
     worst = 0.0
     for a, b, label in (((False, False), (False, True), "unswitched: run ahead vs synced"),
