@@ -36,6 +36,7 @@ confirmed; step_sync (new) has not run yet.
 """
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -61,6 +62,15 @@ def deterministic_cudnn() -> None:
     """cuDNN's deterministic algorithms, chosen by its heuristics, as ``train.deterministic`` asks: ``fit`` sets
     these (``trainer.setup_device``), ``build_runner`` does not, so a check that builds runners itself must."""
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def state_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[tuple[float, str]]:
+    """(max |a - b|, key) for each key of ``a``, largest first; a NaN in either counts as an infinite
+    difference (``max`` and ``sorted`` would pass over a NaN)."""
+    def worst(x: torch.Tensor, y: torch.Tensor) -> float:
+        d = (x - y).abs().max().item()
+        return math.inf if math.isnan(d) else d
+    return sorted(((worst(a[k], b[k]), k) for k in a), reverse=True)
 
 
 def weights_of(r) -> dict[str, torch.Tensor]:
@@ -140,7 +150,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
         states.append(per_state)
     worst_loss = 0.0
     for i in range(steps):
-        diffs = sorted(((states[0][i][k] - states[1][i][k]).abs().max().item(), k) for k in states[0][i])[::-1]
+        diffs = state_diffs(states[0][i], states[1][i])
         rel = max(abs(losses[0][i][k] - losses[1][i][k]) / max(abs(losses[0][i][k]), 1e-3) for k in losses[0][i] if k != "rng_offset")
         worst_loss = max(worst_loss, rel)
         print(f"  step graph vs eager, step {i + 1}: rng offsets {losses[0][i]['rng_offset']} / "
@@ -179,7 +189,7 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
         print(f"  {name}: runner.wgrad_stream={r.wgrad_stream}")
     worst = 0.0
     for base, name in (("switched", "on"), ("switched", "on, late"), ("off", "switched")):
-        diffs = sorted(((states[base][k] - states[name][k]).abs().max().item(), k) for k in states[base])[::-1]
+        diffs = state_diffs(states[base], states[name])
         if base == "switched" or exact_to_unswitched:   # the side stream itself must change nothing, bit for bit
             worst = max(worst, diffs[0][0])
         scale = {k: states[base][k].abs().max().item() for _, k in diffs[:3]}
@@ -215,7 +225,7 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
                         ((True, False), (True, True), "switched: run ahead vs synced"),
                         ((False, True), (True, True), "synced: unswitched vs switched"),
                         ((False, False), (True, False), "run ahead: unswitched vs switched")):
-        diffs = sorted(((states[a][k] - states[b][k]).abs().max().item(), k) for k in states[a])[::-1]
+        diffs = state_diffs(states[a], states[b])
         if a[0] == b[0]:
             worst = max(worst, diffs[0][0])
         print(f"  {label}, after {steps} steps: worst state diffs "

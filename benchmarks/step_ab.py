@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    if args.tiny:
+        args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
     shake_only = [v for v in variants if v in ("two-first-convs", "biased-bn-convs", "reference-convs")]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
-    if args.tiny:
-        args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
     device = torch.device(args.device)
     if device.type == "cuda":
         autotune_convolutions()

@@ -61,6 +61,9 @@ def test_upgraded_optimizer_continues_the_old_run(old_layout):
     for name, p in new.named_parameters():
         torch.testing.assert_close(p, after_old[name], rtol=1e-9, atol=1e-12, msg=name)
     assert upgrade_optimizer_state(opt_new.state_dict(), new.state_dict(), new) == opt_new.state_dict()
+    shuffled = dict(reversed(list(model_state.items())))   # names no longer in the optimiser's order
+    with pytest.raises(ValueError, match="does not follow its model state's parameter order"):
+        upgrade_optimizer_state(opt_state, shuffled, new)
 
 
 def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout):

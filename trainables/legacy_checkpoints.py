@@ -46,9 +46,15 @@ def upgrade_optimizer_state(state: dict, old_model_state: dict, model: nn.Module
     for names, group in zip(old_groups, state["param_groups"]):
         kept = []
         for name, old_id in zip(names, group["params"]):
+            buffer = state["state"].get(old_id, {}).get("momentum_buffer")
+            if buffer is not None and buffer.shape != old_model_state[name].shape:
+                raise ValueError(f"the optimiser state does not follow its model state's parameter order: parameter "
+                                 f"{old_id} ({name}, {tuple(old_model_state[name].shape)}) has a momentum buffer of "
+                                 f"shape {tuple(buffer.shape)}")
             if name in current:
                 renumber[old_id] = index
                 kept.append(index)
                 index += 1
-        new_groups.append({**group, "params": kept})
+        # (param_names, which newer optimisers may save, would name the dropped parameters too)
+        new_groups.append({**{k: v for k, v in group.items() if k != "param_names"}, "params": kept})
     return {"state": {renumber[i]: v for i, v in state["state"].items() if i in renumber}, "param_groups": new_groups}
