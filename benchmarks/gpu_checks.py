@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
-from trainables.trainer import build_runner, fit  # noqa: E402
+from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 
 
 def config(model: str = "wrn28_2", **train) -> TrainConfig:
@@ -56,12 +56,6 @@ def config(model: str = "wrn28_2", **train) -> TrainConfig:
         "model": model, "data": {"dataset": "digits", "n_val": 300, "n_labeled": 50},
         "mix": {"name": "cowmix", "conf_thresh": 0.0},
         "train": {"batch_size": 64, "device": "cuda", "epochs": 2, "steps_per_epoch": 8, **train}})
-
-
-def deterministic_cudnn() -> None:
-    """cuDNN's deterministic algorithms, chosen by its heuristics, as ``train.deterministic`` asks: ``fit`` sets
-    these (``trainer.setup_device``), ``build_runner`` does not, so a check that builds runners itself must."""
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def state_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[tuple[float, str]]:
@@ -129,7 +123,7 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     if method is not None:
         cfgs = [TrainConfig.from_dict({**{k: v for k, v in c.to_dict().items() if k not in ("mix", "perturb")},
                                        **method}) for c in cfgs]
-    deterministic_cudnn()
+    setup_device(cfgs[0])   # deterministic cuDNN
     data = prepare_data(cfgs[0].data, 0, device)
     twice = cfgs[0].perturb is not None and cfgs[0].perturb.regularizer.augment_twice
     batches = []
@@ -160,6 +154,36 @@ def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     return worst_loss < 1e-4 and diff < 1e-4
 
 
+def trained_weights(cfg: TrainConfig, batches: list[Batch], sync: bool = False) -> dict[str, torch.Tensor]:
+    """The student and teacher state after ``batches`` from ``cfg``'s initial weights (the mask generator seeded 1),
+    with cuDNN set as ``cfg`` asks (``train.deterministic``: ``fit`` sets it, ``build_runner`` alone does not);
+    ``sync``: the host waits for the GPU and reads the metrics after each step."""
+    device = setup_device(cfg)
+    r = build_runner(cfg, 10, device)
+    gen = r.generator.manual_seed(1)
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for batch in batches:
+        r.step(batch, gen, 0.05, 0.97)
+        if sync:
+            wait()
+            r.read_metrics()
+    wait()
+    return weights_of(r)
+
+
+def compare(label: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Print the three largest differences between two states, each with the size of its tensor in ``a``;
+    returns the largest (infinite for a NaN)."""
+    diffs = state_diffs(a, b)
+    print(f"  {label}: worst state diffs "
+          + ", ".join(f"{k} {d:.3g} (of {a[k].abs().max().item():.3g})" for d, k in diffs[:3]))
+    return diffs[0][0]
+
+
+def step_batches(steps: int, device: str) -> list[Batch]:
+    return list(prepare_data(config().data, 0, torch.device(device)).train_batches(0, 0, 64, steps, False))
+
+
 def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitched: bool = True) -> bool:
     """The stream off, on, and on with the side stream made late (it spins ~50 us before each weight gradient,
     inside the captured graph too): a buffer the main stream overwrote, or a gradient it read, before the side
@@ -168,33 +192,21 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
     ``exact_to_unswitched`` the switched layers must also give the unswitched model's weights, bit for bit."""
     from trainables import wgrad_stream
 
-    device = torch.device("cuda")
-    deterministic_cudnn()
-    data = prepare_data(config().data, 0, device)
-    batches = list(data.train_batches(0, 0, 64, steps, False))
+    batches = step_batches(steps, "cuda")
     states = {}
     # "switched": the layers computed by the stream's operators, whose weight gradients stay on the main stream
     for name, on, delay, side in (("off", False, 0, True), ("switched", True, 0, False), ("on", True, 0, True),
                                   ("on, late", True, 100_000, True)):
         wgrad_stream.DELAY_CYCLES, wgrad_stream.SIDE_STREAM = delay, side
         try:
-            r = build_runner(config(model, compile=True, deterministic=True, wgrad_stream=on), 10, device)
-            gen = r.generator.manual_seed(1)
-            for batch in batches:
-                r.step(batch, gen, 0.05, 0.97)
-            torch.cuda.synchronize()
+            states[name] = trained_weights(config(model, compile=True, deterministic=True, wgrad_stream=on), batches)
         finally:
             wgrad_stream.DELAY_CYCLES, wgrad_stream.SIDE_STREAM = 0, True
-        states[name] = weights_of(r)
-        print(f"  {name}: runner.wgrad_stream={r.wgrad_stream}")
     worst = 0.0
     for base, name in (("switched", "on"), ("switched", "on, late"), ("off", "switched")):
-        diffs = state_diffs(states[base], states[name])
+        d = compare(f"{name} vs {base}, after {steps} steps", states[base], states[name])
         if base == "switched" or exact_to_unswitched:   # the side stream itself must change nothing, bit for bit
-            worst = max(worst, diffs[0][0])
-        scale = {k: states[base][k].abs().max().item() for _, k in diffs[:3]}
-        print(f"  {name} vs {base}, after {steps} steps: worst state diffs "
-              + ", ".join(f"{k} {d:.3g} (of {scale[k]:.3g})" for d, k in diffs[:3]))
+            worst = max(worst, d)
     return worst == 0.0
 
 
@@ -202,34 +214,20 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
     """The same compiled, CUDA-graphed steps with and without the host waiting for the GPU (and reading the
     metrics) after each: a step whose result depended on how far the host runs ahead (a race from one step's
     work into the next's) would show as a difference. With the layers switched to the stream's operators and
-    without (train.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced."""
-    device = torch.device(where)   # (a CPU run checks this function's own logic only)
-    deterministic_cudnn()
-    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    data = prepare_data(config().data, 0, device)
-    batches = list(data.train_batches(0, 0, 64, steps, False))
-    states = {}
-    for on in (False, True):
-        for sync in (False, True):
-            r = build_runner(config(model, compile=True, deterministic=True, wgrad_stream=on), 10, device)
-            gen = r.generator.manual_seed(1)
-            for batch in batches:
-                r.step(batch, gen, 0.05, 0.97)
-                if sync:
-                    wait()
-                    r.read_metrics()
-            wait()
-            states[on, sync] = weights_of(r)
+    without (train.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced.
+    (``where`` "cpu" checks this function's own logic only.)"""
+    batches = step_batches(steps, where)
+    states = {(on, sync): trained_weights(config(model, device=where, compile=True, deterministic=True,
+                                                 wgrad_stream=on), batches, sync)
+              for on in (False, True) for sync in (False, True)}
     worst = 0.0
     for a, b, label in (((False, False), (False, True), "unswitched: run ahead vs synced"),
                         ((True, False), (True, True), "switched: run ahead vs synced"),
                         ((False, True), (True, True), "synced: unswitched vs switched"),
                         ((False, False), (True, False), "run ahead: unswitched vs switched")):
-        diffs = state_diffs(states[a], states[b])
+        d = compare(f"{label}, after {steps} steps", states[a], states[b])
         if a[0] == b[0]:
-            worst = max(worst, diffs[0][0])
-        print(f"  {label}, after {steps} steps: worst state diffs "
-              + ", ".join(f"{k} {d:.3g} (of {states[a][k].abs().max().item():.3g})" for d, k in diffs[:3]))
+            worst = max(worst, d)
     return worst == 0.0
 
 
