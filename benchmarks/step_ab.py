@@ -70,9 +70,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs")
-STREAM_VARIANTS = ("wgrad-stream", "sweep", "aug-each-step", "eager-aug", "eager-ema", "no-priority", "one-update",
-                   "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-                   "reference-convs")
+STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
 SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRunner, "update_in_parts"),),
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if args.tiny:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
-    shake_only = [v for v in variants if v in ("two-first-convs", "biased-bn-convs", "reference-convs")]
+    shake_only = [v for v in variants if any(owner is ShakeShakeBlock for owner, _ in SWITCHES.get(v, ()))]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
