@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
+from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 
 
@@ -81,8 +82,10 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
-    for r in runners:  # one step from the same weights: the losses of the same batch
+    for r, fold in zip(runners, (False, True)):  # one step from the same weights: the losses of the same batch
+        ShakeShakeBlock.fold_eval_bn = fold   # the plain step's teacher unfolded (read at each forward)
         r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
+    ShakeShakeBlock.fold_eval_bn = True
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
     for key in (M.LOSS_SUP, M.LOSS_MIX, M.MIX_CONF_RATE):

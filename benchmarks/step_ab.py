@@ -32,6 +32,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     biased-bn-convs  as wgrad-stream, with the shake-shake model's convolutions that feed a batch norm given a bias
             (ShakeShakeBlock.bias_free_bn_convs false), as in the reference
     reference-convs  both of the above
+    unfolded-teacher  as wgrad-stream, with the shake-shake teacher's batch norms computed as such in eval mode
+            (ShakeShakeBlock.fold_eval_bn false) instead of folded into its convolutions
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -69,14 +71,15 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs")
+            "reference-convs", "unfolded-teacher")
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
 SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRunner, "update_in_parts"),),
             "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
-            "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs"))}
+            "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
+            "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),)}
 
 
 @contextlib.contextmanager

@@ -111,9 +111,9 @@ def test_block_train_gates_depend_on_rng():
 @pytest.fixture
 def switches():
     """Restores ShakeShakeBlock's class switches after a test that flips them."""
-    saved = ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs
+    saved = ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn
     yield ShakeShakeBlock
-    ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs = saved
+    ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn = saved
 
 
 def _outputs_and_grads(model, x, seed=1):
@@ -129,6 +129,7 @@ def test_one_first_conv_computes_what_two_do(switches, train):
     in a stride-1 and a stride-2 (SAME-padded) block alike."""
     model = create_model("wrn26_2_shakeshake", 10).double().train(train)
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    switches.fold_eval_bn = False   # eval mode's folded forward stacks them either way
     switches.one_first_conv = True
     y1, g1 = _outputs_and_grads(model, x)
     model.zero_grad()
@@ -173,6 +174,53 @@ def test_bias_free_model_matches_the_reference_layout(switches):
     dead = [n for n in g_ref if n not in g]
     assert len(dead) == len(biased) - 1 and all(n.endswith(".bias") for n in dead)
     assert max(g_ref[n].abs().max().item() for n in dead) < 1e-9 * max(v.abs().max().item() for v in g.values())
+
+
+def _random_bn_state(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(), m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5), m.bias.normal_()
+            elif isinstance(m, SameConv2d) and m.bias is not None:
+                m.bias.normal_()
+
+
+@pytest.mark.parametrize("bias_free", [True, False])
+def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias_free):
+    """Eval mode's forward with each batch norm folded into the convolution before it (and the second convolutions
+    as one): the same outputs as batch norm computed as such (float64), with trained-looking statistics and affine
+    parameters, biased convolutions (the reference's layout) too, stride 1 and 2 blocks alike; with a gradient
+    wanted (the unfused path) the same gradients."""
+    switches.bias_free_bn_convs = bias_free
+    model = create_model("wrn26_2_shakeshake", 10).double().eval()
+    _random_bn_state(model)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    switches.fold_eval_bn = True
+    with torch.no_grad():
+        folded = model(x)
+    y1, g1 = _outputs_and_grads(model, x)
+    model.zero_grad()
+    switches.fold_eval_bn = False
+    y2, g2 = _outputs_and_grads(model, x)
+    assert folded.abs().max() > 1.0
+    torch.testing.assert_close(folded, y2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_folded_eval_is_not_taken_in_training(switches):
+    """Training mode normalises by batch statistics, which no fold can give: the switch leaves it alone."""
+    model = create_model("wrn26_2_shakeshake", 10).double().train()
+    _random_bn_state(model)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    switches.fold_eval_bn = True
+    y1, _ = _outputs_and_grads(model, x)
+    model.zero_grad()
+    switches.fold_eval_bn = False
+    y2, _ = _outputs_and_grads(model, x)
+    assert torch.equal(y1, y2)
 
 
 def test_model_eval_is_deterministic():

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainables.conv_bias_relu import conv_bias_relu
 from trainables.segmented_bn import bn_relu, convert_batch_norm
 from trainables.validation import unknown_name
 
@@ -94,6 +95,13 @@ class SameConv2d(nn.Conv2d):
         if self.dynamic_pad:
             x = same_pad(x, self.kernel_size[0], self.stride[0])
         return super().forward(x)
+
+    def with_weights(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This convolution's padding and stride with other weights (a folded batch norm's), as a plain
+        ``F.conv2d`` whatever class the layer was switched to."""
+        if self.dynamic_pad:
+            x = same_pad(x, self.kernel_size[0], self.stride[0])
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 class BnFedConv2d(SameConv2d):
@@ -195,6 +203,20 @@ def _bn_fed_conv(cin: int, cout: int, stride: int) -> SameConv2d:
     return SameConv2d(cin, cout, 3, stride)
 
 
+def _foldable(bn: nn.Module) -> bool:
+    """A batch norm that eval mode computes from running statistics, with an affine transform."""
+    return isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.running_mean is not None
+
+
+def _fold(conv: SameConv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) of one convolution computing ``bn(conv(x))`` in eval mode."""
+    scale = bn.weight * torch.rsqrt(bn.running_var + bn.eps)
+    shift = bn.bias - bn.running_mean * scale
+    if conv.bias is not None:
+        shift = shift + conv.bias * scale
+    return conv.weight * scale.view(-1, 1, 1, 1), shift
+
+
 def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
     # The inner BN + ReLU stays two modules: as one bn_relu it ran 1% slower (H100, 2026-11-26)
     return nn.Sequential(
@@ -209,6 +231,8 @@ class ShakeShakeBlock(nn.Module):
     one_first_conv = True       # both branches' first convolutions (same input) as one of twice the width;
                                 # read at each forward (once, when compiled or captured)
     bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
+    fold_eval_bn = True         # eval mode: each batch norm folded into the convolution before it (``folded``);
+                                # read at each forward
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -254,7 +278,30 @@ class ShakeShakeBlock(nn.Module):
         ya, yb = y.split(conv_a.out_channels, dim=1)
         return self.branch_a[2:](ya), self.branch_b[2:](yb)
 
+    def folded(self, x: torch.Tensor) -> torch.Tensor:
+        """The eval-mode forward with each batch norm folded into the convolution before it: the same function up
+        to rounding, with fewer passes over the activations. The first convolutions run stacked (``branches``),
+        their batch norms as a bias and ReLU in the convolution's own epilogue (``conv_bias_relu``, where no gradient
+        is wanted); the second ones run as one convolution over both branches' channels, whose weights, halved,
+        also take the average 0.5 * (a + b)."""
+        conv_a, bn_a, _, conv_a2, bn_a2 = self.branch_a[1:]
+        conv_b, bn_b, _, conv_b2, bn_b2 = self.branch_b[1:]
+        (wa, ba), (wb, bb) = _fold(conv_a, bn_a), _fold(conv_b, bn_b)
+        r = F.relu(x)
+        if conv_a.dynamic_pad:
+            r = same_pad(r, conv_a.kernel_size[0], conv_a.stride[0])
+        h = conv_bias_relu(r, torch.cat([wa, wb]), torch.cat([ba, bb]), conv_a.stride, conv_a.padding)
+        (wa, ba), (wb, bb) = _fold(conv_a2, bn_a2), _fold(conv_b2, bn_b2)
+        mixed = conv_a2.with_weights(h, 0.5 * torch.cat([wa, wb], dim=1), 0.5 * (ba + bb))
+        if isinstance(self.shortcut, nn.Identity):
+            return x + mixed
+        conv, bn = self.shortcut
+        w, bias = _fold(conv, bn)
+        return conv.with_weights(x, w, bias) + mixed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and self.fold_eval_bn and all(_foldable(m) for m in self.modules() if isinstance(m, nn.modules.batchnorm._NormBase)):
+            return self.folded(x)
         a, b = self.branches(x)
         if self.training:
             # Global RNG on purpose: the trainer reseeds it; fresh per-sample gates every call.
