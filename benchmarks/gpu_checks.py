@@ -14,7 +14,8 @@
    steps of WRN-28-2 (deterministic cuDNN; its row-kernel convolutions and the other, cuDNN's, ones), also
    with the side stream made late; again for the shake-shake WRN-26-2 (``wgrad_stream_shakeshake``). It
    also asks the switched layers for the unswitched model's weights, bit for bit, for WRN-28-2; for
-   shake-shake it prints how far they are (unexplained, below).
+   shake-shake it prints how far they are (a deterministic difference between two computations of the same
+   convolutions, in a run whose loss explodes: below).
 5. The same steps with and without the host waiting for the GPU after each give the same weights
    (``step_sync``, ``step_sync_shakeshake``): a race from one step into the next would show.
 
@@ -26,11 +27,12 @@ time and combo kernels: NVIDIA H200, 2026-11-27, all OK (wgrad_stream, resume an
 losses within 0.80%). With shared streams, the high-priority step graph and the update in two parts, and
 the shake-shake model without biases before batch norm (NVIDIA H100, 2026-11-27): resume, step_graph and
 wgrad_stream (its earlier form, on against off) OK, differences 0; losses_shakeshake OK (supervised 0.09%,
-CowMix 1.8%). wgrad_stream_shakeshake in this form: on, and on and late, against switched 0, bit for bit; but
-switched against off far apart (running variances 211 against 19.2 after 6 bf16 steps), where a probe that
-waited for the GPU after each step found the two bit-identical to step 5 in bf16. That run came first in its
-process and this check did not yet set deterministic cuDNN itself (it does now): the likely cause, not yet
-confirmed; step_sync (new) has not run yet.
+CowMix 1.8%). With runners built through trainer.setup_device (NVIDIA H100, 2026-11-27):
+wgrad_stream_shakeshake, step_sync and step_sync_shakeshake OK (on, and on and late, against switched 0; synced
+against run ahead 0, switched and unswitched). Switched against unswitched shake-shake still far apart
+(running variances 189 against 205 after 6 bf16 steps), the same synced as run ahead: not a race, nor
+nondeterministic cuDNN (docs/performance.md). With the folded shake-shake teacher, the same day:
+losses_shakeshake OK (supervised 0.08%, CowMix 1.7%).
 
     python benchmarks/gpu_checks.py
 """

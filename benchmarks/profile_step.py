@@ -4,6 +4,8 @@ wgrad, Triton, other; and by kernel), GPU busy time vs wall time.
     python benchmarks/profile_step.py --model wrn28_2 --method cowmix [--no-compile] [--trace out.json]
 
 A trace shows where the GPU waits and what runs beside what: ``python benchmarks/step_timeline.py out.json``.
+With ``--serial`` every kernel runs on the main stream: the sum of their durations is the step's work, each
+one measured alone.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
+from trainables import wgrad_stream  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
@@ -35,19 +38,24 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=0, help="also list the N slowest kernels with launches per step")
     p.add_argument("--no-teacher-stream", action="store_true", help="run the teacher on the main stream")
+    p.add_argument("--serial", action="store_true",
+                   help="every kernel on the main stream (the teacher's, and the weight gradients': "
+                        "wgrad_stream.SIDE_STREAM off), so no kernel's duration is stretched by one beside it")
     p.add_argument("--conv-kernels", default="triton", choices=("cudnn", "triton"),
                    help="the 3x3 convolutions: our Triton kernels where they beat cuDNN, or cuDNN (train.conv_kernels)")
     p.add_argument("--trace", help="write a Chrome trace here")
     p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning (a shorter compile)")
     args = p.parse_args()
     device = torch.device("cuda")
+    if args.serial:
+        wgrad_stream.SIDE_STREAM = False
     autotune_convolutions()   # as the trainer does unless train.deterministic
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
                       args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None)
     runner = build_runner(cfg, 10, device)
-    if args.no_teacher_stream:
+    if args.no_teacher_stream or args.serial:
         runner.teacher_stream = None
     data = DeviceData(raw, splits, True, 4, device)
     gen = runner.generator.manual_seed(0)
