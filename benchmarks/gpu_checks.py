@@ -18,6 +18,9 @@
    convolutions, in a run whose loss explodes: below).
 5. The same steps with and without the host waiting for the GPU after each give the same weights
    (``step_sync``, ``step_sync_shakeshake``): a race from one step into the next would show.
+6. ``folded_teacher``: cuDNN's fused convolution + bias + ReLU (``cowtune::conv_bias_relu``) gives F.conv2d's
+   values and promised layout, and the shake-shake model's eval-mode forward with its batch norms folded gives
+   the unfolded logits, float32 and bf16, NCHW and NHWC, eager and compiled.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -38,6 +41,7 @@ losses_shakeshake OK (supervised 0.08%, CowMix 1.7%).
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import tempfile
@@ -84,10 +88,12 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
-    for r, fold in zip(runners, (False, True)):  # one step from the same weights: the losses of the same batch
-        ShakeShakeBlock.fold_eval_bn = fold   # the plain step's teacher unfolded (read at each forward)
-        r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
-    ShakeShakeBlock.fold_eval_bn = True
+    try:
+        for r, fold in zip(runners, (False, True)):  # one step from the same weights: the losses of the same batch
+            ShakeShakeBlock.fold_eval_bn = fold   # the plain step's teacher unfolded (read at each forward)
+            r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
+    finally:
+        ShakeShakeBlock.fold_eval_bn = True
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
     for key in (M.LOSS_SUP, M.LOSS_MIX, M.MIX_CONF_RATE):
@@ -236,6 +242,61 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
     return worst == 0.0
 
 
+def check_folded_teacher() -> bool:
+    """``cowtune::conv_bias_relu`` against ``F.relu(F.conv2d)`` (values, and the output strides its fake
+    promises) for stride 1 and stride 2 (SAME-padded as the model does: padding 0), NHWC and NCHW, float32 and
+    bf16; then a shake-shake model with trained-looking batch-norm state in eval mode, folded against unfolded:
+    eager float32 NCHW and NHWC, eager and compiled bf16 NHWC under autocast."""
+    from trainables.wgrad_stream import conv_format
+
+    setup_device(config("wrn26_2_shakeshake"))
+    ok, dev = True, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 2e-2)):
+        for fmt in (torch.channels_last, torch.contiguous_format):
+            for stride, padding in (((1, 1), (1, 1)), ((2, 2), (0, 0))):
+                x = torch.randn(64, 32, 17, 17, device=dev, generator=g).to(dtype).to(memory_format=fmt)
+                w = (torch.randn(64, 32, 3, 3, device=dev, generator=g) * 0.05).to(dtype)
+                b = torch.randn(64, device=dev, generator=g).to(dtype)
+                with torch.no_grad():
+                    y = torch.ops.cowtune.conv_bias_relu(x, w, b, list(stride), list(padding))
+                    ref = torch.relu(torch.nn.functional.conv2d(x, w, b, stride, padding))
+                rel = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                layout = y.stride() == torch.empty_like(ref, memory_format=conv_format(x, w)).stride()
+                good = rel < tol and layout and y.shape == ref.shape
+                print(f"  conv_bias_relu {str(dtype)[6:]} {'NHWC' if fmt is torch.channels_last else 'NCHW'} "
+                      f"stride {stride[0]}: rel diff {rel:.2e}, strides as promised: {layout}")
+                ok &= good
+    from trainables.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("wrn26_2_shakeshake", 10).to(dev).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.2), m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5), m.bias.normal_(0, 0.2)
+    x = torch.randn(128, 3, 32, 32, device=dev, generator=g)
+    nhwc, x_nhwc = copy.deepcopy(model).to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    cases = (("float32 NCHW", model, x, False, False, 1e-3), ("float32 NHWC", nhwc, x_nhwc, False, False, 1e-3),
+             ("bf16 NHWC", nhwc, x_nhwc, True, False, 3e-2), ("bf16 NHWC compiled", nhwc, x_nhwc, True, True, 3e-2))
+    for label, net, inp, bf16, compiled, tol in cases:
+        outs = []
+        for fold in (True, False):
+            ShakeShakeBlock.fold_eval_bn = fold
+            try:
+                torch._dynamo.reset()   # a fresh compilation for each setting of the switch
+                fn = torch.compile(net, dynamic=False) if compiled else net
+                with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+                    outs.append(fn(inp).float())
+            finally:
+                ShakeShakeBlock.fold_eval_bn = True
+        rel = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+        print(f"  folded vs unfolded shake-shake eval, {label}: rel diff of the logits {rel:.2e} (limit {tol:g})")
+        ok &= rel < tol
+    return ok
+
+
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
@@ -248,7 +309,8 @@ def main() -> int:
               "wgrad_stream": check_wgrad_stream,
               "wgrad_stream_shakeshake": lambda: check_wgrad_stream(model="wrn26_2_shakeshake", exact_to_unswitched=False),
               "step_sync": check_step_sync,
-              "step_sync_shakeshake": lambda: check_step_sync(model="wrn26_2_shakeshake")}
+              "step_sync_shakeshake": lambda: check_step_sync(model="wrn26_2_shakeshake"),
+              "folded_teacher": check_folded_teacher}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

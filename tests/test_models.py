@@ -187,7 +187,7 @@ def _random_bn_state(model):
 
 
 @pytest.mark.parametrize("bias_free", [True, False])
-def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias_free):
+def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias_free, monkeypatch):
     """Eval mode's forward with each batch norm folded into the convolution before it (and the second convolutions
     as one): the same outputs as batch norm computed as such (float64), with trained-looking statistics and affine
     parameters, biased convolutions (the reference's layout) too, stride 1 and 2 blocks alike; with a gradient
@@ -196,9 +196,12 @@ def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias
     model = create_model("wrn26_2_shakeshake", 10).double().eval()
     _random_bn_state(model)
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    calls = []
+    monkeypatch.setattr(ShakeShakeBlock, "folded", lambda self, x, f=ShakeShakeBlock.folded: calls.append(1) or f(self, x))
     switches.fold_eval_bn = True
     with torch.no_grad():
         folded = model(x)
+    assert len(calls) == len(model.blocks)   # every block took the folded path
     y1, g1 = _outputs_and_grads(model, x)
     model.zero_grad()
     switches.fold_eval_bn = False
@@ -208,6 +211,22 @@ def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias
     torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert len(calls) == 2 * len(model.blocks)   # and the first two calls only
+
+
+def test_folded_eval_needs_every_batch_norm_in_eval_mode(switches):
+    """A batch norm left in training mode inside an eval-mode block (batch-norm recalibration) normalises by batch
+    statistics: the block then runs unfolded, and gives what it gives with the switch off."""
+    model = create_model("wrn26_2_shakeshake", 10).double().eval()
+    _random_bn_state(model)
+    model.blocks[0].branch_a[2].train()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        switches.fold_eval_bn = True
+        y1 = model(x)
+        switches.fold_eval_bn = False
+        y2 = model(x)
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
 
 
 def test_folded_eval_is_not_taken_in_training(switches):

@@ -9,10 +9,14 @@ adds the bias and clamps: one more pass over the output, read and written. cuDNN
 +1.3% in the CowMix step (docs/performance.md).
 
 ``cowtune::conv_bias_relu`` wraps it as an operator torch.compile keeps whole (it has no meta kernel of its own to
-trace). It has no autograd formula: ``conv_bias_relu`` calls it only where no gradient is wanted and on CUDA, and
-computes ``F.relu(F.conv2d(...))`` otherwise, so a caller never needs to care.
+trace). It has no autograd formula: ``conv_bias_relu`` calls it only where no gradient is wanted, on CUDA, and
+without deterministic algorithms asked for (``fused_wanted``), and computes ``F.relu(F.conv2d(...))`` otherwise, so
+a caller never needs to care. Where cuDNN has no fused engine for a case, the operator warns once and computes it
+unfused.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +32,11 @@ def _output_shape(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -
 
 @torch.library.custom_op("cowtune::conv_bias_relu", mutates_args=())
 def _fused(x: Tensor, w: Tensor, b: Tensor, stride: list[int], padding: list[int]) -> Tensor:
-    y = torch.cudnn_convolution_relu(x, w, b, stride, padding, [1, 1], 1)
+    try:
+        y = torch.cudnn_convolution_relu(x, w, b, stride, padding, [1, 1], 1)
+    except RuntimeError as err:   # no fused engine for this shape, dtype or layout: the same values, unfused
+        _warn_unfused(x, w, stride, padding, err)
+        y = F.relu(F.conv2d(x, w, b, stride, padding))
     return y.contiguous(memory_format=conv_format(x, w))   # the layout the fake below promises
 
 
@@ -37,12 +45,33 @@ def _(x: Tensor, w: Tensor, b: Tensor, stride: list[int], padding: list[int]) ->
     return x.new_empty(_output_shape(x, w, stride, padding)).contiguous(memory_format=conv_format(x, w))
 
 
+_WARNED: set[tuple] = set()
+
+
+def _warn_unfused(x: Tensor, w: Tensor, stride: list[int], padding: list[int], err: RuntimeError) -> None:
+    key = (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), x.dtype, conv_format(x, w))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"cuDNN has no fused convolution + bias + ReLU for input {tuple(x.shape)} {x.dtype}, weight "
+                      f"{tuple(w.shape)}; computing it unfused ({str(err).splitlines()[0]})", stacklevel=3)
+
+
+def fused_wanted(x: Tensor, w: Tensor, b: Tensor) -> bool:
+    """Whether ``conv_bias_relu`` calls cuDNN's fused form: on CUDA with cuDNN on, no gradient wanted (the fused
+    operator has no backward), and no deterministic algorithms asked for (PyTorch calls it without cuDNN's
+    deterministic flag)."""
+    return (x.is_cuda and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+            and not torch.backends.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or b.requires_grad)))
+
+
 def conv_bias_relu(x: Tensor, w: Tensor, b: Tensor, stride: tuple[int, ...] | list[int],
                    padding: tuple[int, ...] | list[int]) -> Tensor:
-    """``F.relu(F.conv2d(x, w, b, stride, padding))``; one cuDNN call when ``x`` is on CUDA and no gradient is
-    being recorded. ``w`` and ``b`` are cast to ``x``'s dtype (cuDNN wants one), as autocast would."""
+    """``F.relu(F.conv2d(x, w, b, stride, padding))``, as one cuDNN call where ``fused_wanted``. Under autocast ``x``
+    is cast as autocast casts a convolution's input; ``w`` and ``b`` are cast to ``x``'s dtype (cuDNN wants one)."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     w, b = w.to(x.dtype), b.to(x.dtype)
-    if x.is_cuda and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled \
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or b.requires_grad)):
+    if fused_wanted(x, w, b):
         return _fused(x, w, b, list(stride), list(padding))
     return F.relu(F.conv2d(x, w, b, stride, padding))

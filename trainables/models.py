@@ -204,8 +204,9 @@ def _bn_fed_conv(cin: int, cout: int, stride: int) -> SameConv2d:
 
 
 def _foldable(bn: nn.Module) -> bool:
-    """A batch norm that eval mode computes from running statistics, with an affine transform."""
-    return isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.running_mean is not None
+    """A batch norm in eval mode that normalises by running statistics, with an affine transform (one left in
+    training mode inside an eval-mode block, as batch-norm recalibration does, uses batch statistics)."""
+    return isinstance(bn, nn.BatchNorm2d) and not bn.training and bn.affine and bn.running_mean is not None
 
 
 def _fold(conv: SameConv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +233,7 @@ class ShakeShakeBlock(nn.Module):
                                 # read at each forward (once, when compiled or captured)
     bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
     fold_eval_bn = True         # eval mode: each batch norm folded into the convolution before it (``folded``);
-                                # read at each forward
+                                # read at each forward (once, when compiled or captured)
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -278,6 +279,9 @@ class ShakeShakeBlock(nn.Module):
         ya, yb = y.split(conv_a.out_channels, dim=1)
         return self.branch_a[2:](ya), self.branch_b[2:](yb)
 
+    def _all_foldable(self) -> bool:
+        return all(_foldable(m) for m in self.modules() if isinstance(m, nn.modules.batchnorm._NormBase))
+
     def folded(self, x: torch.Tensor) -> torch.Tensor:
         """The eval-mode forward with each batch norm folded into the convolution before it: the same function up
         to rounding, with fewer passes over the activations. The first convolutions run stacked (``branches``),
@@ -300,7 +304,7 @@ class ShakeShakeBlock(nn.Module):
         return conv.with_weights(x, w, bias) + mixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training and self.fold_eval_bn and all(_foldable(m) for m in self.modules() if isinstance(m, nn.modules.batchnorm._NormBase)):
+        if not self.training and self.fold_eval_bn and self._all_foldable():
             return self.folded(x)
         a, b = self.branches(x)
         if self.training:
