@@ -14,8 +14,7 @@
    steps of WRN-28-2 (deterministic cuDNN; its row-kernel convolutions and the other, cuDNN's, ones), also
    with the side stream made late; again for the shake-shake WRN-26-2 (``wgrad_stream_shakeshake``). It
    also asks the switched layers for the unswitched model's weights, bit for bit, for WRN-28-2; for
-   shake-shake it prints how far they are (a deterministic difference between two computations of the same
-   convolutions, in a run whose loss explodes: below).
+   shake-shake it prints how far they are (deterministic, not a race; not yet explained: below).
 5. The same steps with and without the host waiting for the GPU after each give the same weights
    (``step_sync``, ``step_sync_shakeshake``): a race from one step into the next would show.
 6. ``folded_teacher``: cuDNN's fused convolution + bias + ReLU (``cowtune::conv_bias_relu``) gives F.conv2d's
@@ -32,10 +31,11 @@ the shake-shake model without biases before batch norm (NVIDIA H100, 2026-11-27)
 wgrad_stream (its earlier form, on against off) OK, differences 0; losses_shakeshake OK (supervised 0.09%,
 CowMix 1.8%). With runners built through trainer.setup_device (NVIDIA H100, 2026-11-27):
 wgrad_stream_shakeshake, step_sync and step_sync_shakeshake OK (on, and on and late, against switched 0; synced
-against run ahead 0, switched and unswitched). Switched against unswitched shake-shake still far apart
-(running variances 189 against 205 after 6 bf16 steps), the same synced as run ahead: not a race, nor
-nondeterministic cuDNN (docs/performance.md). With the folded shake-shake teacher, the same day:
-losses_shakeshake OK (supervised 0.08%, CowMix 1.7%).
+against run ahead 0, switched and unswitched). Switched against unswitched shake-shake still far apart (a
+running variance 189 apart where the first run's largest is 205, after 6 bf16 steps), the same synced as run
+ahead: not a race, nor nondeterministic cuDNN; why a probe found the two runs bit-identical to step 5 is open
+(docs/performance.md). With the folded shake-shake teacher, the same day: losses_shakeshake OK (supervised
+0.08%, CowMix 1.7%), folded_teacher OK (logits within 2.3e-4 float32, 5.4e-3 bf16).
 
     python benchmarks/gpu_checks.py
 """

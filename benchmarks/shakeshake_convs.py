@@ -9,8 +9,8 @@
 
     python benchmarks/shakeshake_convs.py
 
-Measured: benchmarks/results/2026-11-27-h100-shakeshake-convs.txt (docs/performance.md; by a probe making the same
-calls before this script was written: not yet run in this form).
+Measured: benchmarks/results/2026-11-27-h100-shakeshake-convs.txt (docs/performance.md; two H100 hosts, the first by a
+probe making the same calls before this script was written).
 """
 from __future__ import annotations
 

@@ -191,9 +191,8 @@ def stream_eligible(m: nn.Module) -> bool:
     bias). In the shake-shake WRN, whose convolutions feeding a batch norm lost their bias, the switched layers
     train to the same weights with the side stream on, on and late, and off (``gpu_checks.py
     wgrad_stream_shakeshake``); against the unswitched model they end far apart in that check, the same whether
-    the host waits for the GPU after each step or not, with deterministic cuDNN: a deterministic difference
-    between two computations of the same convolutions, in a run whose loss explodes (docs/performance.md, the
-    shake-shake change)."""
+    the host waits for the GPU after each step or not, with deterministic cuDNN: not a race; why a probe found
+    the two bit-identical to step 5 is not yet explained (docs/performance.md, the shake-shake change)."""
     from trainables.fast_conv import TritonConv2d
 
     return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
