@@ -50,12 +50,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_ab import SWITCHES, switched_off  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
-from trainables.models import ShakeShakeBlock  # noqa: E402
+from trainables.models import create_model  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
+from trainables.wgrad_stream import empty_conv_output  # noqa: E402
+
+UNFOLDED = SWITCHES["unfolded-teacher"]   # switched off: the shake-shake model's eval mode unfolded
 
 
 def config(model: str = "wrn28_2", **train) -> TrainConfig:
@@ -88,12 +94,9 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
-    try:
-        for r, fold in zip(runners, (False, True)):  # one step from the same weights: the losses of the same batch
-            ShakeShakeBlock.fold_eval_bn = fold   # the plain step's teacher unfolded (read at each forward)
+    for r, unfolded in zip(runners, (UNFOLDED, ())):  # one step from the same weights: the same batch's losses
+        with switched_off(unfolded):   # the plain step's teacher unfolded (read at each forward)
             r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
-    finally:
-        ShakeShakeBlock.fold_eval_bn = True
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
     for key in (M.LOSS_SUP, M.LOSS_MIX, M.MIX_CONF_RATE):
@@ -247,8 +250,6 @@ def check_folded_teacher() -> bool:
     promises) for stride 1 and stride 2 (SAME-padded as the model does: padding 0), NHWC and NCHW, float32 and
     bf16; then a shake-shake model with trained-looking batch-norm state in eval mode, folded against unfolded:
     eager float32 NCHW and NHWC, eager and compiled bf16 NHWC under autocast."""
-    from trainables.wgrad_stream import conv_format
-
     setup_device(config("wrn26_2_shakeshake"))
     ok, dev = True, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -262,13 +263,11 @@ def check_folded_teacher() -> bool:
                     y = torch.ops.cowtune.conv_bias_relu(x, w, b, list(stride), list(padding))
                     ref = torch.relu(torch.nn.functional.conv2d(x, w, b, stride, padding))
                 rel = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                layout = y.stride() == torch.empty_like(ref, memory_format=conv_format(x, w)).stride()
+                layout = y.stride() == empty_conv_output(x, w, list(stride), list(padding)).stride()
                 good = rel < tol and layout and y.shape == ref.shape
                 print(f"  conv_bias_relu {str(dtype)[6:]} {'NHWC' if fmt is torch.channels_last else 'NCHW'} "
                       f"stride {stride[0]}: rel diff {rel:.2e}, strides as promised: {layout}")
                 ok &= good
-    from trainables.models import create_model
-
     torch.manual_seed(0)
     model = create_model("wrn26_2_shakeshake", 10).to(dev).eval()
     with torch.no_grad():
@@ -282,15 +281,11 @@ def check_folded_teacher() -> bool:
              ("bf16 NHWC", nhwc, x_nhwc, True, False, 3e-2), ("bf16 NHWC compiled", nhwc, x_nhwc, True, True, 3e-2))
     for label, net, inp, bf16, compiled, tol in cases:
         outs = []
-        for fold in (True, False):
-            ShakeShakeBlock.fold_eval_bn = fold
-            try:
-                torch._dynamo.reset()   # a fresh compilation for each setting of the switch
-                fn = torch.compile(net, dynamic=False) if compiled else net
-                with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
-                    outs.append(fn(inp).float())
-            finally:
-                ShakeShakeBlock.fold_eval_bn = True
+        for switches in ((), UNFOLDED):
+            torch._dynamo.reset()   # a fresh compilation for each setting of the switch
+            fn = torch.compile(net, dynamic=False) if compiled else net
+            with switched_off(switches), torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+                outs.append(fn(inp).float())
         rel = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
         print(f"  folded vs unfolded shake-shake eval, {label}: rel diff of the logits {rel:.2e} (limit {tol:g})")
         ok &= rel < tol

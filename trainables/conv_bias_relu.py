@@ -22,12 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainables.wgrad_stream import conv_format
-
-
-def _output_shape(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> list[int]:
-    size = [(n + 2 * p - k) // s + 1 for n, k, s, p in zip(x.shape[2:], w.shape[2:], stride, padding)]
-    return [x.shape[0], w.shape[0], *size]
+from trainables.wgrad_stream import conv_format, empty_conv_output
 
 
 @torch.library.custom_op("cowtune::conv_bias_relu", mutates_args=())
@@ -42,7 +37,7 @@ def _fused(x: Tensor, w: Tensor, b: Tensor, stride: list[int], padding: list[int
 
 @_fused.register_fake
 def _(x: Tensor, w: Tensor, b: Tensor, stride: list[int], padding: list[int]) -> Tensor:
-    return x.new_empty(_output_shape(x, w, stride, padding)).contiguous(memory_format=conv_format(x, w))
+    return empty_conv_output(x, w, stride, padding)
 
 
 _WARNED: set[tuple] = set()

@@ -91,17 +91,17 @@ class SameConv2d(nn.Conv2d):
         super().__init__(cin, cout, kernel, stride, padding=kernel // 2 if symmetric else 0, bias=bias)
         self.dynamic_pad = not symmetric
 
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the SAME padding this convolution's own ``padding`` leaves out (stride 2: bottom and right)."""
+        return same_pad(x, self.kernel_size[0], self.stride[0]) if self.dynamic_pad else x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dynamic_pad:
-            x = same_pad(x, self.kernel_size[0], self.stride[0])
-        return super().forward(x)
+        return super().forward(self.pad(x))
 
     def with_weights(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """This convolution's padding and stride with other weights (a folded batch norm's), as a plain
         ``F.conv2d`` whatever class the layer was switched to."""
-        if self.dynamic_pad:
-            x = same_pad(x, self.kernel_size[0], self.stride[0])
-        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        return F.conv2d(self.pad(x), weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 class BnFedConv2d(SameConv2d):
@@ -271,11 +271,8 @@ class ShakeShakeBlock(nn.Module):
         if not self.one_first_conv:
             return self.branch_a(x), self.branch_b(x)
         conv_a, conv_b = self.branch_a[1], self.branch_b[1]   # _branch: ReLU, conv, BN, ReLU, conv, BN
-        r = F.relu(x)
-        if conv_a.dynamic_pad:
-            r = same_pad(r, conv_a.kernel_size[0], conv_a.stride[0])
         bias = None if conv_a.bias is None else torch.cat([conv_a.bias, conv_b.bias])
-        y = F.conv2d(r, torch.cat([conv_a.weight, conv_b.weight]), bias, conv_a.stride, conv_a.padding)
+        y = conv_a.with_weights(F.relu(x), torch.cat([conv_a.weight, conv_b.weight]), bias)
         ya, yb = y.split(conv_a.out_channels, dim=1)
         return self.branch_a[2:](ya), self.branch_b[2:](yb)
 
@@ -291,10 +288,8 @@ class ShakeShakeBlock(nn.Module):
         conv_a, bn_a, _, conv_a2, bn_a2 = self.branch_a[1:]
         conv_b, bn_b, _, conv_b2, bn_b2 = self.branch_b[1:]
         (wa, ba), (wb, bb) = _fold(conv_a, bn_a), _fold(conv_b, bn_b)
-        r = F.relu(x)
-        if conv_a.dynamic_pad:
-            r = same_pad(r, conv_a.kernel_size[0], conv_a.stride[0])
-        h = conv_bias_relu(r, torch.cat([wa, wb]), torch.cat([ba, bb]), conv_a.stride, conv_a.padding)
+        h = conv_bias_relu(conv_a.pad(F.relu(x)), torch.cat([wa, wb]), torch.cat([ba, bb]), conv_a.stride,
+                           conv_a.padding)
         (wa, ba), (wb, bb) = _fold(conv_a2, bn_a2), _fold(conv_b2, bn_b2)
         mixed = conv_a2.with_weights(h, 0.5 * torch.cat([wa, wb], dim=1), 0.5 * (ba + bb))
         if isinstance(self.shortcut, nn.Identity):

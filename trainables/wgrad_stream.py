@@ -111,12 +111,16 @@ def conv2d(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[
     return F.conv2d(x, w_lo, None, stride, padding).contiguous(memory_format=conv_format(x, w))
 
 
+def empty_conv_output(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
+    """An uninitialised tensor of the shape, dtype and layout ``F.conv2d(x, w, stride=stride, padding=padding)``
+    gives: what a convolution operator's fake implementation returns."""
+    size = [(n + 2 * p - k) // s + 1 for n, k, s, p in zip(x.shape[2:], w.shape[2:], stride, padding)]
+    return x.new_empty([x.shape[0], w.shape[0], *size]).contiguous(memory_format=conv_format(x, w))
+
+
 @conv2d.register_fake
 def _conv2d_fake(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int]) -> Tensor:
-    n, _, h, wd = x.shape
-    kh, kw = w.shape[2:]
-    size = (n, w.shape[0], (h + 2 * padding[0] - kh) // stride[0] + 1, (wd + 2 * padding[1] - kw) // stride[1] + 1)
-    return x.new_empty(size).contiguous(memory_format=conv_format(x, w))
+    return empty_conv_output(x, w, stride, padding)
 
 
 def _grads(dy: Tensor, x: Tensor, w_lo: Tensor, stride: list[int], padding: list[int], mask: list[bool]):
