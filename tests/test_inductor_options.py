@@ -64,3 +64,35 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
         tune_kernels_by_default(True)
     with pytest.raises(ConfigError, match="tune_kernels"):
         with_train(tune_kernels="yes")
+
+
+def test_shake_shake_models_compile_under_their_own_reads_threshold():
+    """The shake-shake models' student and teacher are compiled with Inductor's realize_reads_threshold 4 (the
+    gradient down their residual chain is then stored every other block, not re-read by every kernel of four), the
+    others under the trainer's global 8; the threshold is part of the first-compile lock's key, so kernels compiled
+    under another threshold are not taken for these."""
+    import torch._inductor.config as inductor
+
+    from trainables.data import Batch
+    from trainables.step import REALIZE_READS_BY_MODEL
+    from trainables.trainer import build_runner
+
+    assert {"wrn26_6_shakeshake", "wrn26_2_shakeshake", "wrn20_6_shakeshake"} <= set(REALIZE_READS_BY_MODEL)
+    saved = inductor.realize_reads_threshold
+    try:
+        def runner(model: str):   # torch.compile only wraps the models here: nothing compiles until a step runs
+            cfg = TrainConfig.from_dict({"model": model, "train": {"compile": True}})
+            return build_runner(cfg, 10, CPU)
+
+        shake, wrn = runner("wrn26_2_shakeshake"), runner("wrn28_2")
+        assert inductor.realize_reads_threshold == 8   # the trainer's global setting, for every other compile
+        for name in ("student", "teacher"):
+            assert shake.inductor_options[name]["realize_reads_threshold"] == 4
+            assert "realize_reads_threshold" not in wrn.inductor_options[name]
+        x = torch.zeros(2, 3, 32, 32)
+        batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+        key = shake.compile_key(batch)
+        shake.inductor_options["student"]["realize_reads_threshold"] = 8
+        assert shake.compile_key(batch) != key
+    finally:
+        inductor.realize_reads_threshold = saved

@@ -37,6 +37,15 @@ from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 # not looked into), so it stays off there.
 COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 
+# Inductor's realize_reads_threshold for a model's student and teacher, where it differs from the 8 the trainer sets
+# for every compile (below: bn_relu's masked gradient in WRN-28-2). Inductor recomputes a pointwise result that
+# several kernels read, instead of storing it, while it reads at most that many buffers. In the shake-shake model
+# the gradient down the residual chain (the block's gradient plus the masked input gradient of its first
+# convolution) gains two reads a block, so under 8 it went unstored for four blocks and each kernel of those blocks
+# read every partial gradient again: its backward's Inductor kernels moved 28 GB a step, one of them 1.7 GB
+# (H100, 2026-11-27, docs/performance.md).
+REALIZE_READS_BY_MODEL = {"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4}
+
 
 def combo_kernels_wanted(cfg: TrainConfig) -> bool:
     """``train.combo_kernels``, or where it is None, whether the model is one they were measured to pay for."""
@@ -214,6 +223,10 @@ class StepRunner:
         combo = combo_kernels_wanted(cfg)
         self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
                                  for name in ("student", "teacher")} if compiled else {}
+        reads = REALIZE_READS_BY_MODEL.get(cfg.model)
+        if reads is not None:
+            for options in self.inductor_options.values():
+                options["realize_reads_threshold"] = reads
         self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
         if self.tuned:
             for options in self.inductor_options.values():
