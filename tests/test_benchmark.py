@@ -111,3 +111,44 @@ def test_step_ab_tiny_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["median"]) == {"cudnn", "triton"} and all(v > 0 for v in report["median"].values())
+
+
+def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path):
+    """Each kernel's bytes a launch come from its module's inductor_meta, its time and launches from the trace:
+    0.3 GB twice a step in 200 us is 3 TB/s; a name two modules size differently gets no bandwidth."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_bytes as kb
+
+    def module(args: str, *kernels: tuple[str, float]) -> str:
+        return f"# {args}\n" + "".join(
+            f"{name} = async_compile.triton('{name}', '''\n@triton_heuristics.pointwise(\n    inductor_meta="
+            f"{{'grid_type': 'Grid1D', 'kernel_name': '{name}', 'num_load': 2, 'kernel_num_gb': {gb}, "
+            f"'kernel_flop': 0}},\n)\n''')\n" for name, gb in kernels)
+
+    (tmp_path / "code" / "ab").mkdir(parents=True)
+    (tmp_path / "code" / "ab" / "cbwd.py").write_text(module("primals_1, tangents_1 = args",
+                                                             ("triton_poi_a_0", 0.3), ("triton_poi_same_1", 0.1)))
+    (tmp_path / "code" / "ab" / "cfwd.py").write_text(module("primals_1, primals_2 = args", ("triton_poi_same_1", 0.2)))
+    steps = 2
+    events = [{"cat": "kernel", "name": "triton_poi_a_0", "dur": 100.0}] * (2 * steps) + \
+             [{"cat": "kernel", "name": "triton_poi_same_1", "dur": 50.0}] * steps + \
+             [{"cat": "kernel", "name": "sm90_xmma_fprop", "dur": 500.0}, {"cat": "cpu_op", "name": "triton_x"}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    rows = {r.name: r for r in kb.rows(kb.load_trace(trace), kb.kernel_bytes([tmp_path / "code"]), steps)}
+    assert set(rows) == {"triton_poi_a_0", "triton_poi_same_1"}   # Triton kernels only
+    a = rows["triton_poi_a_0"]
+    assert (a.kind, a.us, a.launches, a.gb) == ("backward", 200.0, 2.0, 0.3)
+    assert a.tb_per_s == pytest.approx(3.0)
+    same = rows["triton_poi_same_1"]
+    assert same.kind == "?" and same.gb is None and same.tb_per_s is None
+    totals = kb.summary(list(rows.values()), bandwidth=3.0)
+    assert totals["backward"] == pytest.approx((200.0, 0.6, 200.0)) and totals["?"] == (50.0, 0.0, 0.0)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bytes.py"), str(trace),
+                        str(tmp_path / "code"), "--steps", str(steps)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "3.00 TB/s  triton_poi_a_0" in r.stdout, r.stdout + r.stderr
+    (tmp_path / "plain").mkdir()   # a cache compiled without TORCHINDUCTOR_BENCHMARK_KERNEL=1
+    (tmp_path / "plain" / "c.py").write_text("triton_poi_a_0 = async_compile.triton('triton_poi_a_0', '')\n")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bytes.py"), str(trace),
+                        str(tmp_path / "plain")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "TORCHINDUCTOR_BENCHMARK_KERNEL=1" in r.stderr
