@@ -10,8 +10,9 @@ that runs slowly from one that moves more than it should (a result recomputed fr
 
 Prints, per kernel, its time and launches a step, megabytes a launch and TB/s, and the module it comes from
 (forward, backward or inference graph); then each module kind's time and gigabytes a step, and the time those
-bytes take at ``--bandwidth``. Kernel names repeat across modules, so give it a cache directory of the one run (or
-the run's module files): a name that two modules give different byte counts is left without a bandwidth.
+bytes take at ``--bandwidth``. Kernels are matched by name, and names repeat across modules, so give it a fresh
+cache directory of the one run (or all of the run's module files): a name that two modules give different byte
+counts is left without a bandwidth, and a trace kernel whose module was not given takes the bytes of a namesake.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def kernel_bytes(paths: list[Path]) -> dict[str, set[tuple[str, float]]]:
     files = [f for path in paths for f in ([path] if path.is_file() else sorted(path.rglob("*.py")))]
     for path in files:
         source = path.read_text(errors="replace")
-        if "kernel_num_gb" not in source:
+        # a graph's module, which defines its kernels from their sources; the cache also holds each kernel alone
+        # in a file of its own (with a call() to benchmark it), which says nothing of the graph it belongs to
+        if "kernel_num_gb" not in source or "async_compile.triton(" not in source:
             continue
         kind = module_kind(source)
         for name, gb in KERNEL_META.findall(source):

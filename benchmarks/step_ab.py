@@ -34,9 +34,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     reference-convs  both of the above
     unfolded-teacher  as wgrad-stream, with the shake-shake teacher's batch norms computed as such in eval mode
             (ShakeShakeBlock.fold_eval_bn false) instead of folded into its convolutions
-    reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N (2, 3, 4, 5, 6
-            or 8; 8 is the trainer's setting for every model but those in step.REALIZE_READS_BY_MODEL) instead of
-            the model's own
+    reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
+            (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
+            those in step.REALIZE_READS_BY_MODEL) instead of the model's own
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import load_images, make_config, time_steps  # noqa: E402
 
-from trainables import conv_rows, step  # noqa: E402
+from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
@@ -84,19 +84,6 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),)}
-
-
-@contextlib.contextmanager
-def reads_threshold(model: str, reads: int | None):
-    """Within: ``model`` compiled under Inductor's realize_reads_threshold ``reads`` (None: as the trainer has it)."""
-    saved = dict(step.REALIZE_READS_BY_MODEL)
-    if reads is not None:
-        step.REALIZE_READS_BY_MODEL[model] = reads
-    try:
-        yield
-    finally:
-        step.REALIZE_READS_BY_MODEL.clear()
-        step.REALIZE_READS_BY_MODEL.update(saved)
 
 
 @contextlib.contextmanager
@@ -179,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
-                          tune_kernels=v != "untuned" and not args.untuned,
+                          tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=READS.get(v),
                           cuda_graph="step" if device.type == "cuda" else "none")
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with switched_off(SWITCHES.get(v, ())), reads_threshold(args.model, READS.get(v)):
+        with switched_off(SWITCHES.get(v, ())):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

@@ -113,14 +113,14 @@ def test_step_ab_tiny_cpu(tmp_path):
     assert set(report["median"]) == {"cudnn", "triton"} and all(v > 0 for v in report["median"].values())
 
 
-def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path):
+def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):
     """Each kernel's bytes a launch come from its module's inductor_meta, its time and launches from the trace:
     0.3 GB twice a step in 200 us is 3 TB/s; a name two modules size differently gets no bandwidth."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import kernel_bytes as kb
 
     def module(args: str, *kernels: tuple[str, float]) -> str:
-        return f"# {args}\n" + "".join(
+        return f"def call(args):\n    {args}\n" + "".join(
             f"{name} = async_compile.triton('{name}', '''\n@triton_heuristics.pointwise(\n    inductor_meta="
             f"{{'grid_type': 'Grid1D', 'kernel_name': '{name}', 'num_load': 2, 'kernel_num_gb': {gb}, "
             f"'kernel_flop': 0}},\n)\n''')\n" for name, gb in kernels)
@@ -129,6 +129,9 @@ def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path):
     (tmp_path / "code" / "ab" / "cbwd.py").write_text(module("primals_1, tangents_1 = args",
                                                              ("triton_poi_a_0", 0.3), ("triton_poi_same_1", 0.1)))
     (tmp_path / "code" / "ab" / "cfwd.py").write_text(module("primals_1, primals_2 = args", ("triton_poi_same_1", 0.2)))
+    # the cache's file of one kernel: its source, and a call() that benchmarks it
+    kernel_alone = module("", ("triton_poi_a_0", 0.3)).split("'''", 1)[1].split("'''")[0]
+    (tmp_path / "code" / "ab" / "ckernel.py").write_text(kernel_alone + "def call(args):\n    pass\n")
     steps = 2
     events = [{"cat": "kernel", "name": "triton_poi_a_0", "dur": 100.0}] * (2 * steps) + \
              [{"cat": "kernel", "name": "triton_poi_same_1", "dur": 50.0}] * steps + \

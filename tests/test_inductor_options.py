@@ -66,33 +66,64 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
         with_train(tune_kernels="yes")
 
 
-def test_shake_shake_models_compile_under_their_own_reads_threshold():
-    """The shake-shake models' student and teacher are compiled with Inductor's realize_reads_threshold 4 (the
-    gradient down their residual chain is then stored every other block, not re-read by every kernel of four), the
-    others under the trainer's global 8; the threshold is part of the first-compile lock's key, so kernels compiled
-    under another threshold are not taken for these."""
-    import torch._inductor.config as inductor
 
-    from trainables.data import Batch
-    from trainables.step import REALIZE_READS_BY_MODEL
-    from trainables.trainer import build_runner
+def test_reads_threshold_by_model_and_by_config():
+    """The shake-shake models get Inductor's realize_reads_threshold 4 (the gradient down their residual chain is then
+    stored every other block, not re-read by every kernel of four), the others the trainer's global 8;
+    ``train.realize_reads_threshold`` overrides either, and a bad one is refused."""
+    from trainables.step import REALIZE_READS_BY_MODEL, realize_reads_wanted
+
+    def with_reads(model: str, reads=None) -> TrainConfig:
+        return TrainConfig.from_dict({"model": model, "train": {"realize_reads_threshold": reads}})
 
     assert {"wrn26_6_shakeshake", "wrn26_2_shakeshake", "wrn20_6_shakeshake"} <= set(REALIZE_READS_BY_MODEL)
-    saved = inductor.realize_reads_threshold
-    try:
-        def runner(model: str):   # torch.compile only wraps the models here: nothing compiles until a step runs
-            cfg = TrainConfig.from_dict({"model": model, "train": {"compile": True}})
-            return build_runner(cfg, 10, CPU)
+    assert realize_reads_wanted(with_reads("wrn26_6_shakeshake")) == 4
+    assert realize_reads_wanted(with_reads("wrn28_2")) is None
+    assert realize_reads_wanted(with_reads("wrn26_6_shakeshake", 8)) == 8
+    assert realize_reads_wanted(with_reads("wrn28_2", 3)) == 3
+    for bad in (0, "4"):
+        with pytest.raises(ConfigError, match="realize_reads_threshold"):
+            with_reads("wrn28_2", bad)
 
-        shake, wrn = runner("wrn26_2_shakeshake"), runner("wrn28_2")
-        assert inductor.realize_reads_threshold == 8   # the trainer's global setting, for every other compile
-        for name in ("student", "teacher"):
-            assert shake.inductor_options[name]["realize_reads_threshold"] == 4
-            assert "realize_reads_threshold" not in wrn.inductor_options[name]
-        x = torch.zeros(2, 3, 32, 32)
-        batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
-        key = shake.compile_key(batch)
-        shake.inductor_options["student"]["realize_reads_threshold"] = 8
-        assert shake.compile_key(batch) != key
+
+def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(monkeypatch):
+    """The threshold is an option of the student's own torch.compile call: Inductor lowers both its forward and its
+    backward graph under it while the trainer's global setting stays 8 for every other compile; and it is part of the
+    first-compile lock's key, so kernels compiled under another threshold are not taken for these."""
+    import torch._dynamo
+    import torch._functorch.config as functorch
+    import torch._inductor.config as inductor
+    from torch._inductor.graph import GraphLowering
+
+    from trainables.data import Batch
+    from trainables.trainer import build_runner
+
+    monkeypatch.setattr(inductor, "realize_reads_threshold", inductor.realize_reads_threshold)   # the runner raises it
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)   # a cached graph would not be lowered again
+    monkeypatch.setattr(functorch, "enable_autograd_cache", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):
+        monkeypatch.setattr(functorch, "autograd_cache_allow_custom_autograd_functions",
+                            functorch.autograd_cache_allow_custom_autograd_functions)
+    seen: list[tuple[bool, int]] = []
+    lower = GraphLowering.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append((bool(kwargs.get("is_backward", False)), inductor.realize_reads_threshold))
+        lower(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLowering, "__init__", spy)
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
+    runner = build_runner(cfg, 10, CPU)
+    assert inductor.realize_reads_threshold == 8 and runner.inductor_options["student"]["realize_reads_threshold"] == 3
+    torch._dynamo.reset()
+    try:
+        runner.student_forward(torch.randn(2, 3, 32, 32)).sum().backward()
     finally:
-        inductor.realize_reads_threshold = saved
+        torch._dynamo.reset()
+    assert (False, 3) in seen and (True, 3) in seen and all(reads == 3 for _, reads in seen), seen
+    x = torch.zeros(2, 3, 32, 32)
+    batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+    key = runner.compile_key(batch)
+    runner.inductor_options["student"]["realize_reads_threshold"] = 8
+    assert runner.compile_key(batch) != key

@@ -140,6 +140,10 @@ class TrainSettings:
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)
+    realize_reads_threshold: int | None = None  # compiled: Inductor's realize_reads_threshold for the student and
+                                      # teacher (a result several kernels read is recomputed in each while it
+                                      # reads at most this many buffers, else stored); None: the model's entry
+                                      # in trainables.step.REALIZE_READS_BY_MODEL, else the trainer's 8
     tune_kernels: bool | None = None  # cuda, compiled: Inductor's coordinate-descent tuning of the models'
                                       # kernels (block sizes measured once per machine, then cached); None: on
                                       # unless deterministic, and off in a search's trials
@@ -167,6 +171,8 @@ class TrainSettings:
         check(self.conv_kernels in ("cudnn", "triton"), "train.conv_kernels", "be 'cudnn' or 'triton'",
               self.conv_kernels)
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
+        check(self.realize_reads_threshold is None or self.realize_reads_threshold >= 1,
+              "train.realize_reads_threshold", "be >= 1 or null", self.realize_reads_threshold)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +38,24 @@ from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 # not looked into), so it stays off there.
 COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 
-# Inductor's realize_reads_threshold for a model's student and teacher, where it differs from the 8 the trainer sets
-# for every compile (below: bn_relu's masked gradient in WRN-28-2). Inductor recomputes a pointwise result that
-# several kernels read, instead of storing it, while it reads at most that many buffers. In the shake-shake model
-# the gradient down the residual chain (the block's gradient plus the masked input gradient of its first
-# convolution) gains two reads a block, so under 8 it went unstored for four blocks and each kernel of those blocks
-# read every partial gradient again: its backward's Inductor kernels moved 28 GB a step, one of them 1.7 GB
-# (H100, 2026-11-27, docs/performance.md).
-REALIZE_READS_BY_MODEL = {"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4}
+# Inductor's realize_reads_threshold for a model's student and teacher where it differs from the 8 the trainer sets
+# for every compile (below: bn_relu's masked gradient in WRN-28-2); train.realize_reads_threshold overrides it.
+# Inductor recomputes a pointwise result that several kernels read, instead of storing it, while it reads at most
+# that many buffers. In the shake-shake model the gradient down the residual chain (the block's output gradient plus
+# the masked input gradient of its first convolution) gains two reads a block, so under 8 it went unstored for four
+# blocks and each kernel of those blocks read every partial gradient again: the backward's Inductor kernels moved
+# 28 GB a step, one of them 1.7 GB. Under 4 it is stored every other block: the CowMix step 24.5 -> 26.1 steps/s
+# (H100, 2026-11-27, student and teacher together; the teacher, which has no backward, was not measured alone;
+# docs/performance.md).
+REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
+
+
+def realize_reads_wanted(cfg: TrainConfig) -> int | None:
+    """``train.realize_reads_threshold``, or where it is None, the model's entry in ``REALIZE_READS_BY_MODEL``
+    (None: the trainer's global setting)."""
+    if cfg.train.realize_reads_threshold is not None:
+        return cfg.train.realize_reads_threshold
+    return REALIZE_READS_BY_MODEL.get(cfg.model)
 
 
 def combo_kernels_wanted(cfg: TrainConfig) -> bool:
@@ -223,7 +234,7 @@ class StepRunner:
         combo = combo_kernels_wanted(cfg)
         self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
                                  for name in ("student", "teacher")} if compiled else {}
-        reads = REALIZE_READS_BY_MODEL.get(cfg.model)
+        reads = realize_reads_wanted(cfg)
         if reads is not None:
             for options in self.inductor_options.values():
                 options["realize_reads_threshold"] = reads
