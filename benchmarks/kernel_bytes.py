@@ -97,6 +97,15 @@ def summary(table: list[Row], bandwidth: float) -> dict[str, tuple[float, float,
     return {k: (v[0], v[1], v[2]) for k, v in out.items()}
 
 
+def print_table(table: list[Row], bandwidth: float, top: int) -> None:
+    for kind, (us, gb, ideal) in sorted(summary(table, bandwidth).items()):
+        print(f"{kind:>10}: {us:8.0f} us a step, {gb:6.2f} GB" + (f", {ideal:8.0f} us at {bandwidth} TB/s" if gb else ""))
+    for r in table[:top]:
+        mb = f"{r.gb * 1e3:8.1f} MB" if r.gb is not None else "       ? MB"
+        bw = f"{r.tb_per_s:5.2f} TB/s" if r.tb_per_s is not None else "    ? TB/s"
+        print(f"{r.us:8.1f} us {r.launches:5.1f}x {r.kind:>9} {mb} {bw}  {r.name}")
+
+
 def load_trace(path: Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
@@ -119,14 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         p.error(f"{' '.join(map(str, args.code))}: no kernel with kernel_num_gb "
                 "(compile with TORCHINDUCTOR_BENCHMARK_KERNEL=1)")
-    table = rows(load_trace(args.trace), found, args.steps)
-    for kind, (us, gb, ideal) in sorted(summary(table, args.bandwidth).items()):
-        print(f"{kind:>10}: {us:8.0f} us a step, {gb:6.2f} GB" +
-              (f", {ideal:8.0f} us at {args.bandwidth} TB/s" if gb else ""))
-    for r in table[:args.top]:
-        mb = f"{r.gb * 1e3:8.1f} MB" if r.gb is not None else "       ? MB"
-        bw = f"{r.tb_per_s:5.2f} TB/s" if r.tb_per_s is not None else "    ? TB/s"
-        print(f"{r.us:8.1f} us {r.launches:5.1f}x {r.kind:>9} {mb} {bw}  {r.name}")
+    print_table(rows(load_trace(args.trace), found, args.steps), args.bandwidth, args.top)
     return 0
 
 

@@ -5,12 +5,16 @@ wgrad, Triton, other; and by kernel), GPU busy time vs wall time.
 
 A trace shows where the GPU waits and what runs beside what: ``python benchmarks/step_timeline.py out.json``.
 With ``--serial`` every kernel runs on the main stream: the sum of their durations is the step's work, each
-one measured alone.
+one measured alone. With ``--kernel-bytes`` the models compile afresh, into an Inductor cache directory of their
+own, with Inductor's byte count in each kernel's code, and each kernel's bytes and bandwidth are printed too
+(``benchmarks/kernel_bytes.py``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
@@ -45,7 +50,15 @@ def main() -> int:
                    help="the 3x3 convolutions: our Triton kernels where they beat cuDNN, or cuDNN (train.conv_kernels)")
     p.add_argument("--trace", help="write a Chrome trace here")
     p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning (a shorter compile)")
+    p.add_argument("--kernel-bytes", action="store_true",
+                   help="also each Inductor kernel's bytes and TB/s (compiles afresh, in a cache directory of its own)")
     args = p.parse_args()
+    code_dir = None
+    if args.kernel_bytes:   # before anything compiles: kernel names repeat across models, so this run's alone
+        code_dir = Path(tempfile.mkdtemp(prefix="profile-step-inductor-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(code_dir)
+        import torch._inductor.config as inductor
+        inductor.benchmark_kernel = True   # kernel_num_gb in each kernel's inductor_meta
     device = torch.device("cuda")
     if args.serial:
         wgrad_stream.SIDE_STREAM = False
@@ -78,8 +91,13 @@ def main() -> int:
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     print_classes(f"{args.model} {args.method}", *kernel_classes(events, args.steps), top=args.top)
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    if args.trace or code_dir:
+        trace = Path(args.trace or code_dir / "trace.json")
+        prof.export_chrome_trace(str(trace))
+    if code_dir:
+        print(f"\n--- Inductor's kernels: bytes and bandwidth (code in {code_dir})")
+        found = kernel_bytes.kernel_bytes([code_dir])
+        kernel_bytes.print_table(kernel_bytes.rows(kernel_bytes.load_trace(trace), found, args.steps), 3.35, args.top or 40)
     return 0
 
 
