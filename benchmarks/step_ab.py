@@ -37,6 +37,10 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
             (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
+    stored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input stored by Inductor
+            (ShakeShakeBlock.store_input_grad true, trainables/stored_grad.py; an experiment, off by default)
+            instead of recomputed in its readers
+    stored-input-grads-reads-8  the same under realize_reads_threshold 8
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -72,10 +76,10 @@ from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
+READS = {**{f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}, "stored-input-grads-reads-8": 8}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", *READS)
+            "reference-convs", "unfolded-teacher", "stored-input-grads", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -84,18 +88,27 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),)}
+# variants that turn on class switches that are off by default (experiments)
+SWITCHED_ON = {"stored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
+               "stored-input-grads-reads-8": ((ShakeShakeBlock, "store_input_grad"),)}
 
 
 @contextlib.contextmanager
-def switched_off(switches: tuple[tuple[type, str], ...] = ()):
-    """Within: the class attributes ``switches`` name set to False; restored on leaving."""
+def switched(switches: tuple[tuple[type, str], ...] = (), on: bool = False):
+    """Within: the class attributes ``switches`` name set to ``on``; restored on leaving."""
+    saved = [getattr(owner, name) for owner, name in switches]
     for owner, name in switches:
-        setattr(owner, name, False)
+        setattr(owner, name, on)
     try:
         yield
     finally:
-        for owner, name in switches:
-            setattr(owner, name, True)
+        for (owner, name), value in zip(switches, saved):
+            setattr(owner, name, value)
+
+
+def switched_off(switches: tuple[tuple[type, str], ...] = ()):
+    """Within: the class attributes ``switches`` name set to False; restored on leaving."""
+    return switched(switches, on=False)
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -134,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if args.tiny:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
-    shake_only = [v for v in variants if any(owner is ShakeShakeBlock for owner, _ in SWITCHES.get(v, ()))]
+    shake_only = [v for v in variants
+                  if any(owner is ShakeShakeBlock for owner, _ in (*SWITCHES.get(v, ()), *SWITCHED_ON.get(v, ())))]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with switched_off(SWITCHES.get(v, ())):
+        with switched_off(SWITCHES.get(v, ())), switched(SWITCHED_ON.get(v, ()), on=True):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

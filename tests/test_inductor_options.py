@@ -66,7 +66,6 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
         with_train(tune_kernels="yes")
 
 
-
 def test_reads_threshold_by_model_and_by_config():
     """The shake-shake models get Inductor's realize_reads_threshold 4 (the gradient down their residual chain is then
     stored every other block, not re-read by every kernel of four), the others the trainer's global 8;
@@ -98,13 +97,6 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     from trainables.data import Batch
     from trainables.trainer import build_runner
 
-    monkeypatch.setattr(inductor, "realize_reads_threshold", inductor.realize_reads_threshold)   # the runner raises it
-    monkeypatch.setattr(inductor, "fx_graph_cache", False)   # a cached graph would not be lowered again
-    monkeypatch.setattr(functorch, "enable_autograd_cache", False)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    if hasattr(functorch, "autograd_cache_allow_custom_autograd_functions"):
-        monkeypatch.setattr(functorch, "autograd_cache_allow_custom_autograd_functions",
-                            functorch.autograd_cache_allow_custom_autograd_functions)
     seen: list[tuple[bool, int]] = []
     lower = GraphLowering.__init__
 
@@ -114,13 +106,21 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
 
     monkeypatch.setattr(GraphLowering, "__init__", spy)
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
-    runner = build_runner(cfg, 10, CPU)
-    assert inductor.realize_reads_threshold == 8 and runner.inductor_options["student"]["realize_reads_threshold"] == 3
-    torch._dynamo.reset()
-    try:
-        runner.student_forward(torch.randn(2, 3, 32, 32)).sum().backward()
-    finally:
+    custom_functions = {name: getattr(functorch, name) for name in ("autograd_cache_allow_custom_autograd_functions",)
+                        if hasattr(functorch, name)}   # set by the runner; absent in older PyTorch
+    # config.patch restores what the runner sets (monkeypatch would delete a config module's entries on undo);
+    # no cache: a cached graph would not be lowered again
+    with inductor.patch(realize_reads_threshold=inductor.realize_reads_threshold, fx_graph_cache=False), \
+            functorch.patch(enable_autograd_cache=False, **custom_functions), \
+            torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        runner = build_runner(cfg, 10, CPU)
+        assert inductor.realize_reads_threshold == 8
+        assert runner.inductor_options["student"]["realize_reads_threshold"] == 3
         torch._dynamo.reset()
+        try:
+            runner.student_forward(torch.randn(2, 3, 32, 32)).sum().backward()
+        finally:
+            torch._dynamo.reset()
     assert (False, 3) in seen and (True, 3) in seen and all(reads == 3 for _, reads in seen), seen
     x = torch.zeros(2, 3, 32, 32)
     batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)

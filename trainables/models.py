@@ -22,6 +22,7 @@ from torch import nn
 
 from trainables.conv_bias_relu import conv_bias_relu
 from trainables.segmented_bn import bn_relu, convert_batch_norm
+from trainables.stored_grad import stored_grad
 from trainables.validation import unknown_name
 
 MODELS: dict[str, Callable[[int], nn.Module]] = {}
@@ -234,6 +235,9 @@ class ShakeShakeBlock(nn.Module):
     bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
     fold_eval_bn = True         # eval mode: each batch norm folded into the convolution before it (``folded``);
                                 # read at each forward (once, when compiled or captured)
+    store_input_grad = False    # training under torch.compile: the gradient at the block's input stored by Inductor
+                                # (``stored_grad``) instead of recomputed in its readers; off: an experiment not yet
+                                # measured on a GPU (benchmarks/step_ab.py stored-input-grads)
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -301,6 +305,8 @@ class ShakeShakeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and self.fold_eval_bn and self._all_foldable():
             return self.folded(x)
+        if self.store_input_grad:
+            x = stored_grad(x)
         a, b = self.branches(x)
         if self.training:
             # Global RNG on purpose: the trainer reseeds it; fresh per-sample gates every call.

@@ -29,6 +29,7 @@ from trainables.ssl.losses import confidence_weight, mix_targets, squared_error,
 from trainables.ssl.masks import device_constants
 from trainables.ssl.regularizers import Regularizer
 from trainables.step_graph import StepGraph
+from trainables.stored_grad import register_lowering as register_store_lowering
 from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 
 # The models compiled with Inductor's combo_kernels on a GPU unless train.combo_kernels says otherwise:
@@ -231,6 +232,7 @@ class StepRunner:
             import torch._inductor.config as inductor
             inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
             allow_custom_functions_in_compile_cache()
+            register_store_lowering()
         combo = combo_kernels_wanted(cfg)
         self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
                                  for name in ("student", "teacher")} if compiled else {}

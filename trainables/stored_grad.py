@@ -1,0 +1,64 @@
+"""``stored_grad(x)``: ``x`` itself, whose gradient Inductor stores once instead of recomputing it where it is read.
+
+Inductor does not store a pointwise result that several kernels read while it reads few enough buffers
+(``realize_reads_threshold``); each reader recomputes it from its inputs. Down a residual chain the gradient at a
+block's input is the gradient at its output plus its branches' contribution, so it grows by a few reads a block,
+and every kernel of the blocks below reads all the partial gradients again until the count passes the threshold.
+A lower threshold stores the chain's gradient more often, and everything else that several kernels read as well.
+
+``stored_grad`` marks one tensor: under torch.compile its backward passes the gradient through the operator
+``cowtune::store``, whose Inductor lowering realizes its input (one store, where the graph's arithmetic would put
+it) and hands the stored buffer on. Everything else is fused as before. The lowering is registered by
+``register_lowering`` (the trainer calls it before compiling); without it Inductor runs the operator as a copy, as
+it runs eagerly, and ``stored_grad`` applies it only while compiling.
+
+Used by the shake-shake blocks when ``ShakeShakeBlock.store_input_grad`` is on (off by default: an experiment, not
+yet measured on a GPU; docs/performance.md).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("cowtune::store", mutates_args=())
+def _store(g: Tensor) -> Tensor:
+    return g.clone()
+
+
+@_store.register_fake
+def _(g: Tensor) -> Tensor:
+    return torch.empty_like(g)
+
+
+def register_lowering() -> None:
+    """Register Inductor's lowering of ``cowtune::store``: realize the input, then read it (as Inductor's own test
+    operator ``_inductor_test.realize`` does); without it the operator runs as a copy. Called by the trainer before
+    it compiles (not here at import: Inductor's lowering module is a heavy import for a process that never compiles);
+    registering twice is a no-op."""
+    from torch._inductor import lowering
+
+    if torch.ops.cowtune.store.default in lowering.lowerings:
+        return
+
+    @lowering.register_lowering(torch.ops.cowtune.store.default, type_promotion_kind=None)
+    def _lower(g):
+        g.realize()
+        return lowering.clone(g)
+
+
+class _StoredGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return torch.ops.cowtune.store(g)
+
+
+def stored_grad(x: Tensor) -> Tensor:
+    """``x``; under torch.compile, with its gradient stored once by Inductor (the module docstring)."""
+    if not (torch.compiler.is_compiling() and x.requires_grad):
+        return x
+    return _StoredGrad.apply(x)
