@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+BANDWIDTH = 3.35   # TB/s, an H100 SXM's memory (an H200's: 4.8)
+TOP = 40
 KERNEL_META = re.compile(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.eE+-]+)")
 
 
@@ -118,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("code", type=Path, nargs="+",
                    help="Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR) of that run alone, or its module files")
     p.add_argument("--steps", type=int, default=20, help="steps in the trace (profile_step.py --steps)")
-    p.add_argument("--top", type=int, default=40)
-    p.add_argument("--bandwidth", type=float, default=3.35, help="TB/s to set the bytes against (H100 SXM: 3.35)")
+    p.add_argument("--top", type=int, default=TOP)
+    p.add_argument("--bandwidth", type=float, default=BANDWIDTH, help=f"TB/s to set the bytes against ({BANDWIDTH})")
     args = p.parse_args(argv)
     for path in (args.trace, *args.code):
         if not path.exists():

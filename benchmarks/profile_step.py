@@ -52,6 +52,8 @@ def main() -> int:
     p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning (a shorter compile)")
     p.add_argument("--kernel-bytes", action="store_true",
                    help="also each Inductor kernel's bytes and TB/s (compiles afresh, in a cache directory of its own)")
+    p.add_argument("--bandwidth", type=float, default=kernel_bytes.BANDWIDTH,
+                   help=f"--kernel-bytes: TB/s to set the bytes against ({kernel_bytes.BANDWIDTH})")
     args = p.parse_args()
     code_dir = None
     if args.kernel_bytes:   # before anything compiles: kernel names repeat across models, so this run's alone
@@ -97,7 +99,8 @@ def main() -> int:
     if code_dir:
         print(f"\n--- Inductor's kernels: bytes and bandwidth (code in {code_dir})")
         found = kernel_bytes.kernel_bytes([code_dir])
-        kernel_bytes.print_table(kernel_bytes.rows(kernel_bytes.load_trace(trace), found, args.steps), 3.35, args.top or 40)
+        kernel_bytes.print_table(kernel_bytes.rows(kernel_bytes.load_trace(trace), found, args.steps), args.bandwidth,
+                                 args.top or kernel_bytes.TOP)
     return 0
 
 

@@ -1,14 +1,24 @@
-"""``stored_grad``: the identity, whose gradient Inductor stores once under torch.compile (``cowtune::store`` is lowered,
-not run as a copy), with the same gradients as without it; and the shake-shake block's switch for it."""
+"""``stored_grad``: the identity, whose gradient Inductor stores once under torch.compile (``cowtune::store`` lowered to
+its input realized in the traced layout, not called as an operator), with the same gradients as without it; and the
+shake-shake block's switch for it."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor
+from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
+from torch._inductor.virtualized import V
 
 from trainables.models import ShakeShakeBlock
 from trainables.stored_grad import register_lowering, stored_grad
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_eagerly_it_is_the_tensor_itself():
@@ -16,6 +26,26 @@ def test_eagerly_it_is_the_tensor_itself():
     assert stored_grad(x) is x
     y = torch.randn(3)
     assert stored_grad(y) is y
+
+
+@pytest.fixture
+def lowered(monkeypatch) -> list[tuple[tuple, tuple]]:
+    """The lowering registered, and spied on: (strides Inductor stores the gradient with, the traced graph's strides)
+    for each ``cowtune::store`` it lowers."""
+    register_lowering()
+    register_lowering()   # twice: a no-op
+    op = torch.ops.cowtune.store.default
+    inner, seen = lowering.lowerings[op], []
+
+    def spy(g):
+        out = inner(g)
+        _, layout = ir.as_storage_and_layout(out, freeze=False)   # raises unless stored
+        assert isinstance(layout, ir.FixedLayout)
+        seen.append((tuple(layout.stride), tuple(V.graph.current_node.args[0].meta["val"].stride())))
+        return out
+
+    monkeypatch.setitem(lowering.lowerings, op, spy)
+    return seen
 
 
 def residual_chain(x: torch.Tensor, ws: list[torch.Tensor], store: bool) -> torch.Tensor:
@@ -26,12 +56,11 @@ def residual_chain(x: torch.Tensor, ws: list[torch.Tensor], store: bool) -> torc
     return (x * x).sum()
 
 
-def test_compiled_gradients_are_unchanged_and_the_operator_is_lowered():
-    register_lowering()
-    register_lowering()   # twice: a no-op
+def test_compiled_gradients_are_unchanged_and_stored_in_the_traced_layout(lowered):
     torch.manual_seed(0)
-    x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
-    ws = [torch.randn(16, 16, dtype=torch.float64, requires_grad=True) for _ in range(5)]
+    x = torch.randn(4, 6, 5, 3, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+    ws = [torch.randn(4, 6, 5, 3, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+          for _ in range(5)]
     residual_chain(x, ws, store=False).backward()
     expected = [t.grad.clone() for t in (x, *ws)]
     for t in (x, *ws):
@@ -43,16 +72,16 @@ def test_compiled_gradients_are_unchanged_and_the_operator_is_lowered():
             _, code = run_and_get_code(lambda: compiled(x, ws, True).backward())
     finally:
         torch._dynamo.reset()
-    assert len(code) >= 2   # the forward's and the backward's modules
-    assert not any("cowtune.store" in c for c in code)   # lowered by Inductor, not called as an operator
+    assert len(lowered) == 5   # one stored gradient a block, each in the strides the graph traced for it
+    assert all(stored == traced for stored, traced in lowered) and lowered[0][1] == x.stride(), lowered
+    assert not any("cowtune.store" in c for c in code)   # not called as an operator anywhere
     for got, want in zip((t.grad for t in (x, *ws)), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch):
-    """A training block compiled with ``store_input_grad`` gives the eager block's output and gradients (Inductor's
-    random numbers drawn as eagerly, so both draw the same shake gates)."""
-    register_lowering()
+def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch, lowered):
+    """A training block compiled with ``store_input_grad`` stores its input's gradient and gives the eager block's
+    output and gradients (Inductor's random numbers drawn as eagerly, so both draw the same shake gates)."""
     torch.manual_seed(0)
     block = ShakeShakeBlock(8, 16, 2).double().train()
     x = torch.randn(4, 8, 8, 8, dtype=torch.float64, requires_grad=True)
@@ -74,6 +103,35 @@ def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch):
             out_compiled, grads_compiled = run(torch.compile(block))
     finally:
         torch._dynamo.reset()
+    assert len(lowered) == 1
     torch.testing.assert_close(out_compiled, out_eager, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads_compiled, grads_eager):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_registered_after_inductor_made_the_operator_a_fallback():
+    """A process that compiled the operator before the lowering was registered (Inductor then calls it as an
+    operator, a copy no kernel fuses with) lowers it once it is registered. In a process of its own."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch, torch._dynamo, torch._inductor.config as inductor
+from torch._inductor.utils import run_and_get_code
+from trainables.stored_grad import register_lowering, stored_grad
+
+def f(x):
+    return (stored_grad(x).sin() * 2).sum()
+
+def called(compile_first):
+    torch._dynamo.reset()
+    with inductor.patch(fx_graph_cache=False):
+        _, code = run_and_get_code(lambda: torch.compile(f)(torch.randn(8, requires_grad=True)).backward())
+    return any("cowtune.store" in c for c in code)
+
+before = called(True)
+register_lowering()
+print(before, called(True))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["True", "False"], r.stdout

@@ -22,6 +22,7 @@ from trainables.compile_lock import first_compile_lock, operators_version, step_
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
+from trainables.models import ShakeShakeBlock
 from trainables.segmented_bn import batch_segments, segmentable
 from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
@@ -368,7 +369,8 @@ class StepRunner:
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
                         self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
-                        sorted(self.inductor_options.get("student", {}).items()))
+                        sorted(self.inductor_options.get("student", {}).items()),
+                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.SWITCHES])
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed

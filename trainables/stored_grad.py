@@ -7,10 +7,10 @@ and every kernel of the blocks below reads all the partial gradients again until
 A lower threshold stores the chain's gradient more often, and everything else that several kernels read as well.
 
 ``stored_grad`` marks one tensor: under torch.compile its backward passes the gradient through the operator
-``cowtune::store``, whose Inductor lowering realizes its input (one store, where the graph's arithmetic would put
-it) and hands the stored buffer on. Everything else is fused as before. The lowering is registered by
-``register_lowering`` (the trainer calls it before compiling); without it Inductor runs the operator as a copy, as
-it runs eagerly, and ``stored_grad`` applies it only while compiling.
+``cowtune::store``, whose Inductor lowering realizes its input (one store, in the layout the traced graph gives it)
+and hands that buffer on. Everything else is fused as before. The lowering is registered by ``register_lowering``
+(the trainer calls it before compiling); without it Inductor calls the operator as a copy that no kernel fuses
+with, as it runs eagerly, so ``stored_grad`` applies it only while compiling.
 
 Used by the shake-shake blocks when ``ShakeShakeBlock.store_input_grad`` is on (off by default: an experiment, not
 yet measured on a GPU; docs/performance.md).
@@ -31,20 +31,32 @@ def _(g: Tensor) -> Tensor:
     return torch.empty_like(g)
 
 
+_LOWERED = False
+
+
 def register_lowering() -> None:
-    """Register Inductor's lowering of ``cowtune::store``: realize the input, then read it (as Inductor's own test
-    operator ``_inductor_test.realize`` does); without it the operator runs as a copy. Called by the trainer before
-    it compiles (not here at import: Inductor's lowering module is a heavy import for a process that never compiles);
-    registering twice is a no-op."""
-    from torch._inductor import lowering
-
-    if torch.ops.cowtune.store.default in lowering.lowerings:
+    """Register Inductor's lowering of ``cowtune::store``: its input realized, in the strides the traced graph gives
+    it, and handed on as it is (no copy). Without it Inductor calls the operator as an external kernel, a copy that
+    no kernel fuses with. Called by the trainer before it compiles (not here at import: Inductor's lowering module
+    is a heavy import for a process that never compiles). If Inductor met the operator before, it has made it a
+    fallback; that entry is replaced. Registering twice is a no-op."""
+    global _LOWERED
+    if _LOWERED:
         return
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
 
-    @lowering.register_lowering(torch.ops.cowtune.store.default, type_promotion_kind=None)
+    op = torch.ops.cowtune.store.default
+    lowering.fallbacks.discard(op)
+    lowering.lowerings.pop(op, None)
+
+    @lowering.register_lowering(op, type_promotion_kind=None)
     def _lower(g):
         g.realize()
-        return lowering.clone(g)
+        strides = V.graph.current_node.args[0].meta["val"].stride()
+        return ir.ExternKernel.require_stride_order(g, ir.get_stride_order(strides))
+
+    _LOWERED = True
 
 
 class _StoredGrad(torch.autograd.Function):
