@@ -131,3 +131,12 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     key = runner.compile_key(batch)
     monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", True)   # a model switch: the traced graph differs
     assert runner.compile_key(batch) != key
+
+
+def test_every_switch_of_the_block_is_in_the_compile_key():
+    """The first-compile lock's key reads ``COMPILE_KEY_SWITCHES``: a switch left out would let a step compiled with
+    it on take kernels compiled with it off."""
+    from trainables.models import ShakeShakeBlock
+
+    switches = {name for name, value in vars(ShakeShakeBlock).items() if isinstance(value, bool)}
+    assert switches == set(ShakeShakeBlock.COMPILE_KEY_SWITCHES)

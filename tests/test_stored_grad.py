@@ -111,27 +111,43 @@ def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch, lowered):
 
 def test_registered_after_inductor_made_the_operator_a_fallback():
     """A process that compiled the operator before the lowering was registered (Inductor then calls it as an
-    operator, a copy no kernel fuses with) lowers it once it is registered. In a process of its own."""
+    operator, a copy no kernel fuses with) lowers it once it is registered, as an early registration does: stored in
+    the traced strides. In a process of its own."""
     script = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 import torch, torch._dynamo, torch._inductor.config as inductor
+from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
+from torch._inductor.virtualized import V
 from trainables.stored_grad import register_lowering, stored_grad
 
 def f(x):
     return (stored_grad(x).sin() * 2).sum()
 
-def called(compile_first):
+def called():
     torch._dynamo.reset()
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last).requires_grad_()
     with inductor.patch(fx_graph_cache=False):
-        _, code = run_and_get_code(lambda: torch.compile(f)(torch.randn(8, requires_grad=True)).backward())
+        _, code = run_and_get_code(lambda: torch.compile(f)(x).backward())
     return any("cowtune.store" in c for c in code)
 
-before = called(True)
+before = called()
 register_lowering()
-print(before, called(True))
+op = torch.ops.cowtune.store.default
+inner, strides = lowering.lowerings[op], []
+
+def spy(g):
+    out = inner(g)
+    strides.append((tuple(ir.as_storage_and_layout(out, freeze=False)[1].stride),
+                    tuple(V.graph.current_node.args[0].meta["val"].stride())))
+    return out
+
+lowering.lowerings[op] = spy
+after = called()
+print(before, after, len(strides) == 1 and strides[0][0] == strides[0][1], strides)
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-2:] == ["True", "False"], r.stdout
+    assert r.stdout.split()[:3] == ["True", "False", "True"], r.stdout
+

@@ -238,7 +238,7 @@ class ShakeShakeBlock(nn.Module):
     store_input_grad = False    # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; off: an experiment not yet
                                 # measured on a GPU (benchmarks/step_ab.py stored-input-grads)
-    SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")   # part of compile keys
+    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()

@@ -370,7 +370,7 @@ class StepRunner:
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
                         self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
                         sorted(self.inductor_options.get("student", {}).items()),
-                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.SWITCHES])
+                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.COMPILE_KEY_SWITCHES])
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed

@@ -35,11 +35,16 @@ _LOWERED = False
 
 
 def register_lowering() -> None:
-    """Register Inductor's lowering of ``cowtune::store``: its input realized, in the strides the traced graph gives
-    it, and handed on as it is (no copy). Without it Inductor calls the operator as an external kernel, a copy that
-    no kernel fuses with. Called by the trainer before it compiles (not here at import: Inductor's lowering module
-    is a heavy import for a process that never compiles). If Inductor met the operator before, it has made it a
-    fallback; that entry is replaced. Registering twice is a no-op."""
+    """Register Inductor's lowering of ``cowtune::store``: its input realized, in the stride order the traced graph
+    gives it, and handed on as it is (no copy). Without it Inductor calls the operator as an external kernel, a copy
+    that no kernel fuses with. Called by the trainer before it compiles (not here at import: Inductor's lowering
+    module is a heavy import for a process that never compiles). If Inductor met the operator before, it made it a
+    fallback; that registration is undone. Registering twice is a no-op.
+
+    The operator's schema promises a fresh tensor, and the lowering hands on its input's buffer: safe because its
+    one caller, ``_StoredGrad``'s backward, is the only reader of that input. The traced stride order is the
+    eager graph's (channels_last for the trainer's activations on CUDA), which may differ from one Inductor's layout
+    optimisation would pick for a contiguous model."""
     global _LOWERED
     if _LOWERED:
         return
@@ -47,14 +52,17 @@ def register_lowering() -> None:
     from torch._inductor.virtualized import V
 
     op = torch.ops.cowtune.store.default
+    # what making it a fallback registered, so that a late registration lowers as an early one does
     lowering.fallbacks.discard(op)
+    lowering.needs_realized_inputs.discard(op)
+    getattr(lowering, "_maybe_layout_constraints", {}).pop(op, None)
     lowering.lowerings.pop(op, None)
 
     @lowering.register_lowering(op, type_promotion_kind=None)
     def _lower(g):
         g.realize()
         strides = V.graph.current_node.args[0].meta["val"].stride()
-        return ir.ExternKernel.require_stride_order(g, ir.get_stride_order(strides))
+        return ir.ExternKernel.require_stride_order(g, ir.get_stride_order(strides, V.graph.sizevars.shape_env))
 
     _LOWERED = True
 
