@@ -2,7 +2,9 @@
 
 A profile says how long each kernel ran; Inductor's generated code says how many bytes it reads and writes
 (``kernel_num_gb``, written when ``TORCHINDUCTOR_BENCHMARK_KERNEL=1``). Joined by kernel name, they tell a kernel
-that runs slowly from one that moves more than it should (a result recomputed from many inputs, say):
+that runs slowly from one that moves more than it should (a result recomputed from many inputs, say).
+``profile_step.py --kernel-bytes`` does it all in one run (its own cache directory, the byte counts, this table);
+this script joins a trace and a cache kept from an earlier run:
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/ic TORCHINDUCTOR_BENCHMARK_KERNEL=1 python benchmarks/profile_step.py \\
         --model wrn26_6_shakeshake --untuned --serial --steps 10 --trace trace.json
