@@ -37,10 +37,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
             (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
-    stored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input stored by Inductor
-            (ShakeShakeBlock.store_input_grad true, trainables/stored_grad.py; an experiment, off by default)
-            instead of recomputed in its readers
-    stored-input-grads-reads-8  the same under realize_reads_threshold 8
+    unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
+            readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -76,10 +74,10 @@ from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
-READS = {**{f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}, "stored-input-grads-reads-8": 8}
+READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "stored-input-grads", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -87,10 +85,10 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
-            "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),)}
+            "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
+            "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON = {"stored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
-               "stored-input-grads-reads-8": ((ShakeShakeBlock, "store_input_grad"),)}
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager

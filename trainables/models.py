@@ -235,9 +235,8 @@ class ShakeShakeBlock(nn.Module):
     bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
     fold_eval_bn = True         # eval mode: each batch norm folded into the convolution before it (``folded``);
                                 # read at each forward (once, when compiled or captured)
-    store_input_grad = False    # training under torch.compile: the gradient at the block's input stored by Inductor
-                                # (``stored_grad``) instead of recomputed in its readers; off: an experiment not yet
-                                # measured on a GPU (benchmarks/step_ab.py stored-input-grads)
+    store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
+                                # (``stored_grad``) instead of recomputed in its readers; read when traced
     COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")
 
     def __init__(self, cin: int, cout: int, stride: int):

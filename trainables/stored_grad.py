@@ -12,8 +12,8 @@ and hands that buffer on. Everything else is fused as before. The lowering is re
 (the trainer calls it before compiling); without it Inductor calls the operator as a copy that no kernel fuses
 with, as it runs eagerly, so ``stored_grad`` applies it only while compiling.
 
-Used by the shake-shake blocks when ``ShakeShakeBlock.store_input_grad`` is on (off by default: an experiment, not
-yet measured on a GPU; docs/performance.md).
+Used by the shake-shake blocks while ``ShakeShakeBlock.store_input_grad`` is on (the default: +2.3% in the
+WRN-26 shake-shake step on an H100; docs/performance.md).
 """
 from __future__ import annotations
 
