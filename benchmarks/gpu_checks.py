@@ -20,6 +20,9 @@
 6. ``folded_teacher``: cuDNN's fused convolution + bias + ReLU (``cowtune::conv_bias_relu``) gives F.conv2d's
    values and promised layout, and the shake-shake model's eval-mode forward with its batch norms folded gives
    the unfolded logits, float32 and bf16, NCHW and NHWC, eager and compiled.
+7. ``stored_grad_shakeshake``: one training step's gradients of the shake-shake model, compiled bf16, with each
+   block's input gradient stored (the default) and recomputed, both against the eager float32 step's: the store
+   makes them no worse. (The losses checks above compare forward passes only; this one the backward.)
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -35,7 +38,10 @@ against run ahead 0, switched and unswitched). Switched against unswitched shake
 running variance 189 apart where the first run's largest is 205, after 6 bf16 steps), the same synced as run
 ahead: not a race, nor nondeterministic cuDNN; why a probe found the two runs bit-identical to step 5 is open
 (docs/performance.md). With the folded shake-shake teacher, the same day: losses_shakeshake OK (supervised
-0.08%, CowMix 1.7%), folded_teacher OK (logits within 2.3e-4 float32, 5.4e-3 bf16).
+0.08%, CowMix 1.7%), folded_teacher OK (logits within 2.3e-4 float32, 5.4e-3 bf16). Under the shake-shake model's
+realize_reads_threshold 4, before the stored input gradients (NVIDIA H100, 2026-11-27): losses_shakeshake OK
+(supervised 0.068%, CowMix 1.73%), wgrad_stream_shakeshake OK (on, and on and late, against switched 0).
+stored_grad_shakeshake has not run on a GPU yet.
 
     python benchmarks/gpu_checks.py
 """
@@ -292,6 +298,54 @@ def check_folded_teacher() -> bool:
     return ok
 
 
+def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
+    """One training step's gradients of the shake-shake WRN-26-2 (channels_last, compiled under the trainer's
+    threshold with Inductor's random draws as eager's, so every run draws the same shake gates), with each block's
+    input gradient stored (``ShakeShakeBlock.store_input_grad``, the default) and recomputed, each against the eager
+    float32 step's. In float32 both compiles must be near the eager gradients (a wrong stored gradient, or gates
+    drawn differently, would be far off); in bf16, where a deep net's gradients are far from float32's anyway, the
+    store may round one more tensor but must not make them worse than the recomputing compile does (within half as
+    much again). ``where`` "cpu", with a small ``batch``, checks this function's own logic only."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+    import torch.nn.functional as F
+
+    from trainables.step import REALIZE_READS_BY_MODEL
+    from trainables.stored_grad import register_lowering
+
+    register_lowering()
+    dev, name = torch.device(where), "wrn26_2_shakeshake"
+    setup_device(config(name, device=where))
+    torch.manual_seed(0)
+    model = create_model(name, 10).to(dev).to(memory_format=torch.channels_last).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=dev, generator=g)
+
+    def grads(compiled: bool, store: bool = True, bf16: bool = False) -> torch.Tensor:
+        net = copy.deepcopy(model)
+        torch._dynamo.reset()   # a fresh compilation for each setting
+        fn = torch.compile(net, dynamic=False) if compiled else net
+        torch.manual_seed(1)
+        with switched_off(() if store else SWITCHES["unstored-input-grads"]), \
+                inductor.patch(fallback_random=True, realize_reads_threshold=REALIZE_READS_BY_MODEL[name]), \
+                torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
+            F.cross_entropy(fn(x).float(), y).backward()
+        torch._dynamo.reset()
+        return torch.cat([p.grad.float().flatten() for p in net.parameters()])
+
+    want = grads(False)
+    ok = True
+    for bf16 in (False, True):
+        stored, recomputed = grads(True, True, bf16), grads(True, False, bf16)
+        err_stored, err_recomputed = (((a - want).norm() / want.norm()).item() for a in (stored, recomputed))
+        apart = ((stored - recomputed).norm() / recomputed.norm()).item()
+        print(f"  shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32: input "
+              f"gradients stored {err_stored:.2e}, recomputed {err_recomputed:.2e}; stored against recomputed {apart:.2e}")
+        ok &= err_stored <= 1.5 * err_recomputed + 1e-4 and (bf16 or err_recomputed < 0.05)
+    return ok
+
+
 def main() -> int:
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
@@ -305,7 +359,8 @@ def main() -> int:
               "wgrad_stream_shakeshake": lambda: check_wgrad_stream(model="wrn26_2_shakeshake", exact_to_unswitched=False),
               "step_sync": check_step_sync,
               "step_sync_shakeshake": lambda: check_step_sync(model="wrn26_2_shakeshake"),
-              "folded_teacher": check_folded_teacher}
+              "folded_teacher": check_folded_teacher,
+              "stored_grad_shakeshake": check_stored_grad}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

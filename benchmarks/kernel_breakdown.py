@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainables.models import create_model  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
+from trainables.stored_grad import register_lowering  # noqa: E402
 
 dev = torch.device("cuda")
 out = {}
@@ -167,6 +168,7 @@ def profile(name, replay, steps=20):
 
 
 def main():
+    register_lowering()   # as the trainer does: the shake-shake blocks' stored input gradients (else a copy each)
     torch.backends.cudnn.benchmark = True
     print(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d"), flush=True)
     out["device"], out["torch"], out["date"] = torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d")

@@ -113,6 +113,21 @@ def test_step_ab_tiny_cpu(tmp_path):
     assert set(report["median"]) == {"cudnn", "triton"} and all(v > 0 for v in report["median"].values())
 
 
+def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
+    """Each step_ab variant that turns a class switch off names one that is on by default, and each that turns one on
+    names one that is off: a default flipped without moving its variant would make the variant measure the
+    defaults."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import step_ab
+
+    for table, default in ((step_ab.SWITCHES, True), (step_ab.SWITCHED_ON, False)):
+        for variant, switches in table.items():
+            assert variant in step_ab.VARIANTS, variant
+            for owner, name in switches:
+                assert getattr(owner, name) is default, (variant, owner.__name__, name)
+    assert step_ab.SWITCHES["unstored-input-grads"]   # the shake-shake blocks' stored input gradients, on by default
+
+
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):
     """Each kernel's bytes a launch come from its module's inductor_meta, its time and launches from the trace:
     0.3 GB twice a step in 200 us is 3 TB/s; a name two modules size differently gets no bandwidth."""

@@ -94,8 +94,10 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     import torch._inductor.config as inductor
     from torch._inductor.graph import GraphLowering
 
+    from trainables import step
     from trainables.data import Batch
     from trainables.models import ShakeShakeBlock
+    from trainables.stored_grad import register_lowering
     from trainables.trainer import build_runner
 
     seen: list[tuple[bool, int]] = []
@@ -106,6 +108,8 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
         lower(self, *args, **kwargs)
 
     monkeypatch.setattr(GraphLowering, "__init__", spy)
+    registered = []   # the store's lowering, registered before compiling (the shake-shake blocks' input gradients)
+    monkeypatch.setattr(step, "register_store_lowering", lambda: registered.append(True) or register_lowering())
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
     custom_functions = {name: getattr(functorch, name) for name in ("autograd_cache_allow_custom_autograd_functions",)
                         if hasattr(functorch, name)}   # set by the runner; absent in older PyTorch
@@ -115,7 +119,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
             functorch.patch(enable_autograd_cache=False, **custom_functions), \
             torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
         runner = build_runner(cfg, 10, CPU)
-        assert inductor.realize_reads_threshold == 8
+        assert inductor.realize_reads_threshold == 8 and registered == [True]
         assert runner.inductor_options["student"]["realize_reads_threshold"] == 3
         torch._dynamo.reset()
         try:

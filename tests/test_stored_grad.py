@@ -48,6 +48,16 @@ def lowered(monkeypatch) -> list[tuple[tuple, tuple]]:
     return seen
 
 
+def test_the_registration_keys_the_compile_caches(lowered):
+    """Inductor's on-disk caches are not keyed by lowerings: once the lowering is registered, torch.compile's cache-key
+    tag names it, so no graph cached with the fallback's copy is loaded for it."""
+    import torch.compiler.config as compiler
+
+    from trainables.stored_grad import CACHE_TAG
+
+    assert CACHE_TAG in compiler.cache_key_tag.split("+")
+
+
 def residual_chain(x: torch.Tensor, ws: list[torch.Tensor], store: bool) -> torch.Tensor:
     for w in ws:
         if store:
@@ -79,9 +89,11 @@ def test_compiled_gradients_are_unchanged_and_stored_in_the_traced_layout(lowere
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch, lowered):
-    """A training block compiled with ``store_input_grad`` stores its input's gradient and gives the eager block's
-    output and gradients (Inductor's random numbers drawn as eagerly, so both draw the same shake gates)."""
+@pytest.mark.parametrize("store", [True, False])
+def test_shake_shake_block_with_its_input_gradient_stored_or_not(monkeypatch, lowered, store):
+    """A training block compiled with ``store_input_grad`` (the default) stores its input's gradient, and without it
+    (step_ab's unstored-input-grads) stores none; either gives the eager block's output and gradients (Inductor's
+    random numbers drawn as eagerly, so both draw the same shake gates)."""
     torch.manual_seed(0)
     block = ShakeShakeBlock(8, 16, 2).double().train()
     x = torch.randn(4, 8, 8, 8, dtype=torch.float64, requires_grad=True)
@@ -96,14 +108,14 @@ def test_shake_shake_block_with_its_input_gradient_stored(monkeypatch, lowered):
         return out.detach(), grads
 
     out_eager, grads_eager = run(block)
-    monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", True)
+    monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", store)
     torch._dynamo.reset()
     try:
         with inductor.patch(fx_graph_cache=False, fallback_random=True):
             out_compiled, grads_compiled = run(torch.compile(block))
     finally:
         torch._dynamo.reset()
-    assert len(lowered) == 1
+    assert len(lowered) == int(store)
     torch.testing.assert_close(out_compiled, out_eager, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads_compiled, grads_eager):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

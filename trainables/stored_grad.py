@@ -12,8 +12,8 @@ and hands that buffer on. Everything else is fused as before. The lowering is re
 (the trainer calls it before compiling); without it Inductor calls the operator as a copy that no kernel fuses
 with, as it runs eagerly, so ``stored_grad`` applies it only while compiling.
 
-Used by the shake-shake blocks while ``ShakeShakeBlock.store_input_grad`` is on (the default: +2.3% in the
-WRN-26 shake-shake step on an H100; docs/performance.md).
+Used by the shake-shake blocks while ``ShakeShakeBlock.store_input_grad`` is on (the default: +2.2% in an untuned
+A/B run of the WRN-26 shake-shake step on an H100; docs/performance.md).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def _(g: Tensor) -> Tensor:
 
 
 _LOWERED = False
+CACHE_TAG = "cowtune-store-lowered"
 
 
 def register_lowering() -> None:
@@ -44,10 +45,18 @@ def register_lowering() -> None:
     The operator's schema promises a fresh tensor, and the lowering hands on its input's buffer: safe because its
     one caller, ``_StoredGrad``'s backward, is the only reader of that input. The traced stride order is the
     eager graph's (channels_last for the trainer's activations on CUDA), which may differ from one Inductor's layout
-    optimisation would pick for a contiguous model."""
+    optimisation would pick for a contiguous model.
+
+    Inductor's and AOTAutograd's on-disk caches are not keyed by lowerings: a graph compiled before the registration
+    (with the fallback's copy) would be loaded by a process compiling the same graph after it. So the registration
+    also adds ``CACHE_TAG`` to torch.compile's cache-key tag."""
     global _LOWERED
     if _LOWERED:
         return
+    import torch.compiler.config as compiler
+
+    if hasattr(compiler, "cache_key_tag") and CACHE_TAG not in compiler.cache_key_tag:   # absent in older PyTorch
+        compiler.cache_key_tag = f"{compiler.cache_key_tag}+{CACHE_TAG}" if compiler.cache_key_tag else CACHE_TAG
     from torch._inductor import ir, lowering
     from torch._inductor.virtualized import V
 
