@@ -20,9 +20,9 @@
 6. ``folded_teacher``: cuDNN's fused convolution + bias + ReLU (``cowtune::conv_bias_relu``) gives F.conv2d's
    values and promised layout, and the shake-shake model's eval-mode forward with its batch norms folded gives
    the unfolded logits, float32 and bf16, NCHW and NHWC, eager and compiled.
-7. ``stored_grad_shakeshake``: one training step's gradients of the shake-shake model, compiled bf16, with each
-   block's input gradient stored (the default) and recomputed, both against the eager float32 step's: the store
-   makes them no worse. (The losses checks above compare forward passes only; this one the backward.)
+7. ``stored_grad_shakeshake``: the shake-shake model's gradients from one forward and backward pass, compiled in
+   float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
+   float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_ab import SWITCHES, switched_off  # noqa: E402
+from step_ab import SWITCHES, switched, switched_off  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
@@ -299,50 +299,80 @@ def check_folded_teacher() -> bool:
 
 
 def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
-    """One training step's gradients of the shake-shake WRN-26-2 (channels_last, compiled under the trainer's
-    threshold with Inductor's random draws as eager's, so every run draws the same shake gates), with each block's
-    input gradient stored (``ShakeShakeBlock.store_input_grad``, the default) and recomputed, each against the eager
-    float32 step's. In float32 both compiles must be near the eager gradients (a wrong stored gradient, or gates
-    drawn differently, would be far off); in bf16, where a deep net's gradients are far from float32's anyway, the
-    store may round one more tensor but must not make them worse than the recomputing compile does (within half as
-    much again). ``where`` "cpu", with a small ``batch``, checks this function's own logic only."""
+    """One forward and backward pass of the bare shake-shake WRN-26-2 with a cross-entropy loss (channels_last, in
+    training mode; compiled under the trainer's threshold with Inductor's random draws as eager's, so every run draws
+    the same shake gates), with each block's input gradient stored (``ShakeShakeBlock.store_input_grad``, the default)
+    and recomputed: the parameters' gradients against the eager float32 pass's, the worst tensor's relative error.
+    The store must be lowered once a block with it and never without it. In float32 (TF32 off) both compiles must be
+    near the eager gradients (a wrong stored gradient, or gates drawn differently, would be far off) and near each
+    other; in bf16, where a deep net's gradients are far from float32's anyway, the store may round one more tensor
+    but must not make them worse than the recomputing compile does (within half as much again), and the two must be
+    nearer each other than to float32. ``where`` "cpu", with a small ``batch``, checks this function's own logic
+    only. (Not the trainer's whole step: no CowMix, cuDNN's convolutions alone, Inductor's default options.)"""
     import torch._dynamo
     import torch._inductor.config as inductor
     import torch.nn.functional as F
+    from torch._inductor import lowering
 
+    from trainables.models import ShakeShakeBlock
     from trainables.step import REALIZE_READS_BY_MODEL
     from trainables.stored_grad import register_lowering
 
     register_lowering()
+    op = torch.ops.cowtune.store.default
+    inner, lowered = lowering.lowerings[op], []
+
+    def counted(g):
+        lowered.append(1)
+        return inner(g)
+
     dev, name = torch.device(where), "wrn26_2_shakeshake"
-    setup_device(config(name, device=where))
+    cudnn = torch.backends.cudnn
+    saved = cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    cudnn.benchmark, cudnn.deterministic = False, True
+    cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = create_model(name, 10).to(dev).to(memory_format=torch.channels_last).train()
+    blocks = sum(isinstance(m, ShakeShakeBlock) for m in model.modules())
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=dev, generator=g)
 
-    def grads(compiled: bool, store: bool = True, bf16: bool = False) -> torch.Tensor:
+    def grads(compiled: bool, store: bool = True, bf16: bool = False) -> list[torch.Tensor]:
         net = copy.deepcopy(model)
-        torch._dynamo.reset()   # a fresh compilation for each setting
+        torch._dynamo.reset()   # a fresh compilation for each setting (the block reads its switch when traced)
         fn = torch.compile(net, dynamic=False) if compiled else net
+        lowered.clear()
         torch.manual_seed(1)
-        with switched_off(() if store else SWITCHES["unstored-input-grads"]), \
-                inductor.patch(fallback_random=True, realize_reads_threshold=REALIZE_READS_BY_MODEL[name]), \
+        with switched(SWITCHES["unstored-input-grads"], on=store), \
+                inductor.patch(fallback_random=True, realize_reads_threshold=REALIZE_READS_BY_MODEL[name],
+                               fx_graph_cache=False), \
                 torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
-            F.cross_entropy(fn(x).float(), y).backward()
+            F.cross_entropy(fn(x).float(), y).backward()   # both graphs compile in here, lazily
         torch._dynamo.reset()
-        return torch.cat([p.grad.float().flatten() for p in net.parameters()])
+        return [p.grad.float() for p in net.parameters()]
 
-    want = grads(False)
+    def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(((u - v).norm() / v.norm().clamp_min(1e-30)).item() for u, v in zip(a, b))
+
     ok = True
-    for bf16 in (False, True):
-        stored, recomputed = grads(True, True, bf16), grads(True, False, bf16)
-        err_stored, err_recomputed = (((a - want).norm() / want.norm()).item() for a in (stored, recomputed))
-        apart = ((stored - recomputed).norm() / recomputed.norm()).item()
-        print(f"  shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32: input "
-              f"gradients stored {err_stored:.2e}, recomputed {err_recomputed:.2e}; stored against recomputed {apart:.2e}")
-        ok &= err_stored <= 1.5 * err_recomputed + 1e-4 and (bf16 or err_recomputed < 0.05)
+    lowering.lowerings[op] = counted
+    try:
+        want = grads(False)
+        for bf16 in (False, True):
+            stored = grads(True, True, bf16)
+            n_stored = len(lowered)
+            recomputed = grads(True, False, bf16)
+            n_recomputed = len(lowered)
+            err_stored, err_recomputed, apart = worst(stored, want), worst(recomputed, want), worst(stored, recomputed)
+            print(f"  shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, worst "
+                  f"tensor: input gradients stored {err_stored:.2e} ({n_stored} stores lowered), recomputed "
+                  f"{err_recomputed:.2e} ({n_recomputed}); stored against recomputed {apart:.2e}")
+            ok &= n_stored == blocks and n_recomputed == 0 and err_stored <= 1.5 * err_recomputed + 1e-4
+            ok &= apart <= err_recomputed + 1e-4 if bf16 else (err_recomputed < 0.05 and apart < 0.05)
+    finally:
+        lowering.lowerings[op] = inner
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     return ok
 
 

@@ -125,7 +125,8 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
             assert variant in step_ab.VARIANTS, variant
             for owner, name in switches:
                 assert getattr(owner, name) is default, (variant, owner.__name__, name)
-    assert step_ab.SWITCHES["unstored-input-grads"]   # the shake-shake blocks' stored input gradients, on by default
+    # the shake-shake blocks' stored input gradients, on by default
+    assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 
 
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):

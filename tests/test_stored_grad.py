@@ -48,14 +48,25 @@ def lowered(monkeypatch) -> list[tuple[tuple, tuple]]:
     return seen
 
 
-def test_the_registration_keys_the_compile_caches(lowered):
+def test_the_registration_keys_the_compile_caches():
     """Inductor's on-disk caches are not keyed by lowerings: once the lowering is registered, torch.compile's cache-key
-    tag names it, so no graph cached with the fallback's copy is loaded for it."""
-    import torch.compiler.config as compiler
-
+    tag names it, so no graph cached with the fallback's copy is loaded for it; after our operators' version, whatever
+    the process imported first (a process of its own, which registers before importing the models)."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch.compiler.config as compiler
+from trainables.stored_grad import register_lowering
+register_lowering()
+import trainables.models
+print(compiler.cache_key_tag)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from trainables.compile_lock import operators_version
     from trainables.stored_grad import CACHE_TAG
 
-    assert CACHE_TAG in compiler.cache_key_tag.split("+")
+    assert r.stdout.split()[-1] == f"cowtune-operators-{operators_version()}+{CACHE_TAG}", r.stdout
 
 
 def residual_chain(x: torch.Tensor, ws: list[torch.Tensor], store: bool) -> torch.Tensor:

@@ -49,12 +49,16 @@ def register_lowering() -> None:
 
     Inductor's and AOTAutograd's on-disk caches are not keyed by lowerings: a graph compiled before the registration
     (with the fallback's copy) would be loaded by a process compiling the same graph after it. So the registration
-    also adds ``CACHE_TAG`` to torch.compile's cache-key tag."""
+    also adds ``CACHE_TAG`` to torch.compile's cache-key tag, after our operators' version (``tag_compile_caches``),
+    so that every process spells the tag alike whatever it imported first."""
     global _LOWERED
     if _LOWERED:
         return
     import torch.compiler.config as compiler
 
+    from trainables.compile_lock import tag_compile_caches
+
+    tag_compile_caches()
     if hasattr(compiler, "cache_key_tag") and CACHE_TAG not in compiler.cache_key_tag:   # absent in older PyTorch
         compiler.cache_key_tag = f"{compiler.cache_key_tag}+{CACHE_TAG}" if compiler.cache_key_tag else CACHE_TAG
     from torch._inductor import ir, lowering
