@@ -87,8 +87,6 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
-# variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager
@@ -145,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if args.tiny:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
-    shake_only = [v for v in variants
-                  if any(owner is ShakeShakeBlock for owner, _ in (*SWITCHES.get(v, ()), *SWITCHED_ON.get(v, ())))]
+    shake_only = [v for v in variants if any(owner is ShakeShakeBlock for owner, _ in SWITCHES.get(v, ()))]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
@@ -184,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with switched_off(SWITCHES.get(v, ())), switched(SWITCHED_ON.get(v, ()), on=True):
+        with switched_off(SWITCHES.get(v, ())):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

@@ -97,13 +97,14 @@ def operators_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def tag_compile_caches() -> None:
-    """Add ``operators_version()`` to torch.compile's cache-key tag (``torch.compiler.config.cache_key_tag``,
-    in every on-disk cache's key; a tag the user set is kept before it)."""
+def tag_compile_caches(*extra: str) -> None:
+    """Add ``operators_version()``, then each of ``extra``, to torch.compile's cache-key tag
+    (``torch.compiler.config.cache_key_tag``, in every on-disk cache's key; a tag the user set is kept before them,
+    and one already there is not added again, so processes spell it alike whatever they called first)."""
     import torch.compiler.config as compiler
 
     if not hasattr(compiler, "cache_key_tag"):   # an older torch: its caches are not keyed by a tag
         return
-    ours = f"cowtune-operators-{operators_version()}"
-    if ours not in compiler.cache_key_tag:
-        compiler.cache_key_tag = f"{compiler.cache_key_tag}+{ours}" if compiler.cache_key_tag else ours
+    for ours in (f"cowtune-operators-{operators_version()}", *extra):
+        if ours not in compiler.cache_key_tag.split("+"):
+            compiler.cache_key_tag = f"{compiler.cache_key_tag}+{ours}" if compiler.cache_key_tag else ours

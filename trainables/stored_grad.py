@@ -54,13 +54,9 @@ def register_lowering() -> None:
     global _LOWERED
     if _LOWERED:
         return
-    import torch.compiler.config as compiler
-
     from trainables.compile_lock import tag_compile_caches
 
-    tag_compile_caches()
-    if hasattr(compiler, "cache_key_tag") and CACHE_TAG not in compiler.cache_key_tag:   # absent in older PyTorch
-        compiler.cache_key_tag = f"{compiler.cache_key_tag}+{CACHE_TAG}" if compiler.cache_key_tag else CACHE_TAG
+    tag_compile_caches(CACHE_TAG)
     from torch._inductor import ir, lowering
     from torch._inductor.virtualized import V
 
