@@ -39,6 +39,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
+    sum-stats  as wgrad-stream, with the stacked batch norms' statistics from shifted sums and sums of squares
+            (SegmentedBatchNorm2d.sum_stats true, an experiment) instead of torch.var_mean (Welford under Inductor)
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -70,6 +72,7 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
+from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
@@ -77,7 +80,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "sum-stats", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -87,6 +90,8 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
+# variants that turn on class switches that are off by default (experiments)
+SWITCHED_ON = {"sum-stats": ((SegmentedBatchNorm2d, "sum_stats"),)}
 
 
 @contextlib.contextmanager
@@ -143,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if args.tiny:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
-    shake_only = [v for v in variants if any(owner is ShakeShakeBlock for owner, _ in SWITCHES.get(v, ()))]
+    shake_only = [v for v in variants
+                  if any(owner is ShakeShakeBlock for owner, _ in (*SWITCHES.get(v, ()), *SWITCHED_ON.get(v, ())))]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with switched_off(SWITCHES.get(v, ())):
+        with switched_off(SWITCHES.get(v, ())), switched(SWITCHED_ON.get(v, ()), on=True):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

@@ -114,15 +114,18 @@ def test_step_ab_tiny_cpu(tmp_path):
 
 
 def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
-    """Each step_ab variant that turns a class switch off names one that is on by default: a default flipped without
-    changing its variant would make the variant measure the defaults."""
+    """Each step_ab variant that turns a class switch off names one that is on by default, and each that turns one on
+    names one that is off: a default flipped without changing its variant would make the variant measure the
+    defaults."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import step_ab
 
-    for variant, switches in step_ab.SWITCHES.items():
-        assert variant in step_ab.VARIANTS, variant
-        for owner, name in switches:
-            assert getattr(owner, name) is True, (variant, owner.__name__, name)
+    for table, default in ((step_ab.SWITCHES, True), (step_ab.SWITCHED_ON, False)):
+        for variant, switches in table.items():
+            assert variant in step_ab.VARIANTS, variant
+            for owner, name in switches:
+                assert getattr(owner, name) is default, (variant, owner.__name__, name)
+    assert step_ab.SWITCHED_ON["sum-stats"] == ((step_ab.SegmentedBatchNorm2d, "sum_stats"),)
     # the shake-shake blocks' stored input gradients, on by default
     assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 

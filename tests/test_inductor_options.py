@@ -97,6 +97,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     from trainables import step
     from trainables.data import Batch
     from trainables.models import ShakeShakeBlock
+    from trainables.segmented_bn import SegmentedBatchNorm2d
     from trainables.stored_grad import register_lowering
     from trainables.trainer import build_runner
 
@@ -135,6 +136,9 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     key = runner.compile_key(batch)
     monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", False)   # a model switch: the traced graph differs
     assert runner.compile_key(batch) != key
+    key = runner.compile_key(batch)
+    monkeypatch.setattr(SegmentedBatchNorm2d, "sum_stats", True)   # a batch-norm switch: the traced graph differs
+    assert runner.compile_key(batch) != key
 
 
 def test_every_switch_of_the_block_is_in_the_compile_key():
@@ -144,3 +148,12 @@ def test_every_switch_of_the_block_is_in_the_compile_key():
 
     switches = {name for name, value in vars(ShakeShakeBlock).items() if isinstance(value, bool)}
     assert switches == set(ShakeShakeBlock.COMPILE_KEY_SWITCHES)
+
+
+def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
+    """As above, for the batch norm's class switches; ``one_pass_eager`` (tests: the one-pass function when not
+    compiling) is the one that changes no compiled graph."""
+    from trainables.segmented_bn import SegmentedBatchNorm2d
+
+    switches = {name for name, value in vars(SegmentedBatchNorm2d).items() if isinstance(value, bool)}
+    assert switches - {"one_pass_eager"} == set(SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES)

@@ -35,6 +35,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     segments: Segments | None = None
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
+    sum_stats = False        # one-pass path: statistics from shifted sums (``shifted_sum_stats``) instead of
+                             # torch.var_mean (Welford under Inductor); an experiment for A/B timings, read when traced
+    COMPILE_KEY_SWITCHES = ("fuse_relu", "sum_stats")   # those that change a compiled graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
@@ -69,7 +72,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu, self.sum_stats)
         with torch.no_grad():
             n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
@@ -81,20 +84,37 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         return y
 
 
+def shifted_sum_stats(xs: torch.Tensor, dim: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(biased variance, mean) of ``xs`` over ``dim`` (kept), as ``torch.var_mean(xs, dim, keepdim=True,
+    correction=0)`` gives them, from one pass of two sums: of ``d = xs - shift`` and of ``d * d``, where ``shift`` is
+    the first element along ``dim`` (one per remaining index). Variance = mean(d^2) - mean(d)^2 loses precision as
+    the mean moves away from the shift, by about (mean - shift)^2 / variance times the rounding of the sums; one
+    sample of the data lies a few standard deviations from its mean at most, so the loss stays that of a few
+    roundings, where an unshifted x^2 sum would lose all precision for data of mean 1000 and variance 1 in float32."""
+    shift = xs[tuple(slice(0, 1) if i in dim else slice(None) for i in range(xs.dim()))]
+    d = xs - shift
+    mean_d = d.mean(dim=dim, keepdim=True)
+    var = ((d * d).mean(dim=dim, keepdim=True) - mean_d * mean_d).clamp_min(0)
+    return var, mean_d + shift
+
+
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
     ``relu``. Statistics are computed in float32 at least; returns (y in x's dtype, per-run means
-    (s, C), biased variances (s, C)).
+    (s, C), biased variances (s, C)); with ``sum_stats`` the statistics come from ``shifted_sum_stats``.
 
     The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
     backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
     that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps, relu):
+    def forward(ctx, x, weight, bias, s, eps, relu, sum_stats=False):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
-        var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
+        if sum_stats:
+            var, mean = shifted_sum_stats(xs, (1, 3, 4))
+        else:
+            var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
         scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
         shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
@@ -121,7 +141,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None, None)
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:

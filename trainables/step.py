@@ -23,7 +23,7 @@ from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
 from trainables.models import ShakeShakeBlock
-from trainables.segmented_bn import batch_segments, segmentable
+from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable
 from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
@@ -371,7 +371,8 @@ class StepRunner:
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
                         self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
                         sorted(self.inductor_options.get("student", {}).items()),
-                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.COMPILE_KEY_SWITCHES])
+                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.COMPILE_KEY_SWITCHES],
+                        [getattr(SegmentedBatchNorm2d, s) for s in SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES])
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
