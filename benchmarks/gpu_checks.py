@@ -23,8 +23,10 @@
 7. ``stored_grad_shakeshake``: the shake-shake model's gradients from one forward and backward pass, compiled in
    float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
    float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
-8. ``losses_sum_stats_shakeshake``: the losses check (1) for the shake-shake WRN-26-2 with the experiment
-   ``SegmentedBatchNorm2d.sum_stats`` on (batch statistics from shifted sums in the compiled step).
+8. ``sum_stats``: the experiment ``SegmentedBatchNorm2d.sum_stats``'s batch statistics (shifted sums), compiled on
+   the GPU, against float64, beside ``torch.var_mean``'s, for bf16 activations of the shake-shake stages' shapes
+   with channel means up to 60 standard deviations from zero; ``losses_sum_stats_shakeshake``: the losses check (1)
+   for the shake-shake WRN-26-2 with the switch on.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -45,7 +47,8 @@ realize_reads_threshold 4, before the stored input gradients (NVIDIA H100, 2026-
 (supervised 0.068%, CowMix 1.73%), wgrad_stream_shakeshake OK (on, and on and late, against switched 0).
 With the stored input gradients (NVIDIA H100, 2026-11-28): stored_grad_shakeshake OK (float32: both 4.73e-3 from
 eager, 7.6e-6 apart; bf16: 0.590 and 0.591 from eager, 1.7e-2 apart; 12 stores lowered, 0 without),
-losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). losses_sum_stats_shakeshake has not run on a GPU yet.
+losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). sum_stats and losses_sum_stats_shakeshake have not run
+on a GPU yet.
 
     python benchmarks/gpu_checks.py
 """
@@ -113,6 +116,34 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
         rel = abs(plain[key] - fast[key]) / max(abs(plain[key]), 1e-3)
         print(f"  {key}: eager fp32 {plain[key]:.5f}  compiled bf16 {fast[key]:.5f}  rel diff {rel:.3%}")
         ok &= rel < 0.03
+    return ok
+
+
+def check_sum_stats(where: str = "cuda", batch: int = 512) -> bool:
+    """Batch statistics of two segments of ``batch // 2`` bf16 channels_last activations, as the one-pass batch norm
+    computes them (in float32), compiled on ``where`` (a GPU; CPU for tests): ``shifted_sum_stats`` must be within 1e-4 of float64 (variance relative, mean in
+    standard deviations); ``torch.var_mean``'s error is printed beside it."""
+    from trainables.segmented_bn import shifted_sum_stats
+
+    dims = (1, 3, 4)
+    stats = {"var_mean": torch.compile(lambda xs: torch.var_mean(xs, dim=dims, keepdim=True, correction=0),
+                                       dynamic=False),
+             "shifted sums": torch.compile(lambda xs: shifted_sum_stats(xs, dims), dynamic=False)}
+    gen = torch.Generator(device=where).manual_seed(0)
+    ok = True
+    for c, side in ((96, 32), (192, 16), (384, 8)):
+        means = torch.linspace(0, 60, c, device=where).view(1, c, 1, 1)   # in standard deviations
+        x = ((torch.randn(batch, c, side, side, device=where, generator=gen) + means) * 2).to(torch.bfloat16)
+        xs = x.contiguous(memory_format=torch.channels_last).unflatten(0, (2, -1))
+        ref_var, ref_mean = torch.var_mean(xs.double(), dim=dims, keepdim=True, correction=0)
+        errors = {}
+        for name, fn in stats.items():
+            var, mean = fn(xs.float())
+            errors[name] = (((var.double() - ref_var).abs() / ref_var).max().item(),
+                            ((mean.double() - ref_mean).abs() / ref_var.sqrt()).max().item())
+        print(f"  {c} channels {side}x{side}: " + "; ".join(
+            f"{name}: variance {v:.2e} relative, mean {m:.2e} std" for name, (v, m) in errors.items()), flush=True)
+        ok &= max(errors["shifted sums"]) < 1e-4
     return ok
 
 
@@ -402,6 +433,7 @@ def main() -> int:
               "step_sync_shakeshake": lambda: check_step_sync(model="wrn26_2_shakeshake"),
               "folded_teacher": check_folded_teacher,
               "stored_grad_shakeshake": check_stored_grad,
+              "sum_stats": check_sum_stats,
               "losses_sum_stats_shakeshake": lambda: check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake")}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}

@@ -130,6 +130,51 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
     assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 
 
+def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
+    """``sum-stats`` builds its runner and runs its warm-up (compile, capture) steps with the batch norm's switch on,
+    and the defaults' variant with it off; the switch is off again afterwards."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.chdir(tmp_path)
+    import step_ab
+    from trainables.segmented_bn import SegmentedBatchNorm2d
+
+    seen: list[tuple[str, bool]] = []
+    build = step_ab.build_runner
+
+    def recording_build(*args, **kwargs):
+        runner = build(*args, **kwargs)
+        seen.append(("build", SegmentedBatchNorm2d.sum_stats))
+        step = runner.step
+        runner.step = lambda *a, **k: seen.append(("step", SegmentedBatchNorm2d.sum_stats)) or step(*a, **k)
+        return runner
+
+    monkeypatch.setattr(step_ab, "build_runner", recording_build)
+    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,sum-stats"]) == 0
+    # tiny: one warm-up step each, then one round (time_steps calls runner.step outside the switch)
+    assert seen[:2] == [("build", False), ("step", False)]
+    assert ("build", True) in seen and seen[seen.index(("build", True)) + 1] == ("step", True)
+    assert SegmentedBatchNorm2d.sum_stats is False
+
+
+def test_gpu_checks_losses_switched_on_keeps_the_switch_on_for_the_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_checks
+    from trainables.segmented_bn import SegmentedBatchNorm2d
+
+    seen = []
+    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((SegmentedBatchNorm2d.sum_stats, kw)) or 1)
+    assert gpu_checks.check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake") == 1
+    assert seen == [(True, {"model": "wrn26_2_shakeshake"})] and SegmentedBatchNorm2d.sum_stats is False
+
+
+def test_gpu_checks_sum_stats_runs_on_cpu(monkeypatch):
+    """The GPU check of the shifted sums' precision, on CPU with a small batch: the same code path and tolerance."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_checks
+
+    assert gpu_checks.check_sum_stats(where="cpu", batch=4)
+
+
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):
     """Each kernel's bytes a launch come from its module's inductor_meta, its time and launches from the trace:
     0.3 GB twice a step in 200 us is 3 TB/s; a name two modules size differently gets no bandwidth."""

@@ -16,6 +16,14 @@ def test_shifted_sum_stats_is_var_mean(shape, dim):
     assert torch.allclose(var, ref_var, rtol=1e-12, atol=0) and torch.allclose(mean, ref_mean, rtol=1e-12, atol=1e-12)
 
 
+def test_shifted_sum_stats_takes_negative_dims():
+    x = torch.randn(3, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 4
+    for a, b in zip(shifted_sum_stats(x, (-1, 0)), shifted_sum_stats(x, (0, 2))):
+        assert torch.equal(a, b)
+    var, mean = shifted_sum_stats(x, (-1,))
+    assert torch.allclose(var, x.var(-1, keepdim=True, correction=0), rtol=1e-12)
+
+
 def test_shifted_sums_keep_float32_precision_far_from_zero():
     """Data of mean 1000 and variance about 1 in float32: the shifted sums give the variance to about 1e-5, where
     sums of x and x^2 alone lose it (1e6 - 1e6 in float32)."""
@@ -62,8 +70,9 @@ def test_sum_stats_batch_norm_is_the_var_mean_one(relu, memory_format, monkeypat
 
 
 def test_sum_stats_compiles_to_sums_not_welford(monkeypatch):
-    """Under torch.compile (CPU here; the lowering's choice is made before the device's code generation) the
-    default statistics are a Welford reduction and ``sum_stats`` ones are not; both give the same output."""
+    """Under torch.compile the default statistics are a Welford reduction and ``sum_stats`` ones are not; both give
+    the same output. On CPU Inductor takes its two-pass form for var_mean up to 1024 values, so each segment here
+    reduces 2048 (on a GPU, float32 statistics are Welford above 8)."""
     from torch._inductor.utils import run_and_get_code
 
     x = torch.randn(16, 4, 16, 16, generator=torch.Generator().manual_seed(4)) * 2 + 3
