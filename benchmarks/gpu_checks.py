@@ -121,8 +121,8 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
 
 def check_sum_stats(where: str = "cuda", batch: int = 512) -> bool:
     """Batch statistics of two segments of ``batch // 2`` bf16 channels_last activations, as the one-pass batch norm
-    computes them (in float32), compiled on ``where`` (a GPU; CPU for tests): ``shifted_sum_stats`` must be within 1e-4 of float64 (variance relative, mean in
-    standard deviations); ``torch.var_mean``'s error is printed beside it."""
+    computes them (in float32), compiled on ``where`` (a GPU; CPU for tests): ``shifted_sum_stats`` must be within
+    1e-4 of float64 (variance relative, mean in standard deviations); ``torch.var_mean``'s error is printed beside."""
     from trainables.segmented_bn import shifted_sum_stats
 
     dims = (1, 3, 4)
