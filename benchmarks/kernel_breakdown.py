@@ -33,7 +33,9 @@ out = {}
 class SplitBN(SegmentedBatchNorm2d):
     """Per-batch statistics by one batch-norm call per batch and a concatenation (the trainer before)."""
 
-    _equal_segments = SegmentedBatchNorm2d._split_segments
+    def _equal_segments(self, x, relu=False):
+        y = self._split_segments(x)
+        return y.relu() if relu else y
 
 
 class GroupVarBN(SegmentedBatchNorm2d):
