@@ -27,6 +27,8 @@
    the GPU, against float64, beside ``torch.var_mean``'s, for bf16 activations of the shake-shake stages' shapes
    with channel means up to 60 standard deviations from zero; ``losses_sum_stats_shakeshake``: the losses check (1)
    for the shake-shake WRN-26-2 with the switch on.
+9. ``losses_fused_inner_bn_relu_shakeshake``: the losses check (1) for the shake-shake WRN-26-2 with the experiment
+   ``ShakeShakeBlock.fused_inner_bn_relu`` on.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -47,8 +49,8 @@ realize_reads_threshold 4, before the stored input gradients (NVIDIA H100, 2026-
 (supervised 0.068%, CowMix 1.73%), wgrad_stream_shakeshake OK (on, and on and late, against switched 0).
 With the stored input gradients (NVIDIA H100, 2026-11-28): stored_grad_shakeshake OK (float32: both 4.73e-3 from
 eager, 7.6e-6 apart; bf16: 0.590 and 0.591 from eager, 1.7e-2 apart; 12 stores lowered, 0 without),
-losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). sum_stats and losses_sum_stats_shakeshake have not run
-on a GPU yet.
+losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). sum_stats, losses_sum_stats_shakeshake and
+losses_fused_inner_bn_relu_shakeshake have not run on a GPU yet.
 
     python benchmarks/gpu_checks.py
 """
@@ -434,7 +436,9 @@ def main() -> int:
               "folded_teacher": check_folded_teacher,
               "stored_grad_shakeshake": check_stored_grad,
               "sum_stats": check_sum_stats,
-              "losses_sum_stats_shakeshake": lambda: check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake")}
+              "losses_sum_stats_shakeshake": lambda: check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake"),
+              "losses_fused_inner_bn_relu_shakeshake":
+                  lambda: check_losses_switched_on("fused-inner-bn-relu", model="wrn26_2_shakeshake")}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

@@ -41,6 +41,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
     sum-stats  as wgrad-stream, with the stacked batch norms' statistics from shifted sums and sums of squares
             (SegmentedBatchNorm2d.sum_stats true, an experiment) instead of torch.var_mean (Welford under Inductor)
+    fused-inner-bn-relu  as wgrad-stream, with each shake-shake branch's inner batch norm and ReLU as one bn_relu
+            (ShakeShakeBlock.fused_inner_bn_relu true, an experiment) instead of two modules
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -80,7 +82,8 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "sum-stats", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "sum-stats",
+            "fused-inner-bn-relu", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -91,7 +94,8 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON = {"sum-stats": ((SegmentedBatchNorm2d, "sum_stats"),)}
+SWITCHED_ON = {"sum-stats": ((SegmentedBatchNorm2d, "sum_stats"),),
+               "fused-inner-bn-relu": ((ShakeShakeBlock, "fused_inner_bn_relu"),)}
 
 
 @contextlib.contextmanager
