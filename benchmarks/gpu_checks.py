@@ -27,8 +27,9 @@
    the GPU, against float64, beside ``torch.var_mean``'s, for bf16 activations of the shake-shake stages' shapes
    with channel means up to 60 standard deviations from zero; ``losses_sum_stats_shakeshake``: the losses check (1)
    for the shake-shake WRN-26-2 with the switch on.
-9. ``losses_fused_inner_bn_relu_shakeshake``: the losses check (1) for the shake-shake WRN-26-2 with the experiment
-   ``ShakeShakeBlock.fused_inner_bn_relu`` on.
+9. ``fused_inner_bn_relu_shakeshake``: the experiment ``ShakeShakeBlock.fused_inner_bn_relu`` changes only the
+   backward pass (ReLU's mask taken from the batch norm's input), so this compares gradients: the bare shake-shake
+   WRN-26-2's, compiled under threshold 8 with the switch on and off, with per-batch segments, against eager float32.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -50,12 +51,13 @@ realize_reads_threshold 4, before the stored input gradients (NVIDIA H100, 2026-
 With the stored input gradients (NVIDIA H100, 2026-11-28): stored_grad_shakeshake OK (float32: both 4.73e-3 from
 eager, 7.6e-6 apart; bf16: 0.590 and 0.591 from eager, 1.7e-2 apart; 12 stores lowered, 0 without),
 losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). sum_stats, losses_sum_stats_shakeshake and
-losses_fused_inner_bn_relu_shakeshake have not run on a GPU yet.
+fused_inner_bn_relu_shakeshake have not run on a GPU yet.
 
     python benchmarks/gpu_checks.py
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -151,7 +153,7 @@ def check_sum_stats(where: str = "cuda", batch: int = 512) -> bool:
 
 def check_losses_switched_on(variant: str, **kwargs) -> bool:
     """``check_losses`` with the class switches of step_ab's experiment ``variant`` on in the fast step (the plain
-    step, eager and with separate calls, does not read them)."""
+    step, eager with separate calls, takes none of the one-pass batch norm's paths they change)."""
     with switched(SWITCHED_ON[variant], on=True):
         return check_losses(**kwargs)
 
@@ -342,23 +344,80 @@ def check_folded_teacher() -> bool:
     return ok
 
 
-def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
-    """One forward and backward pass of the bare shake-shake WRN-26-2 with a cross-entropy loss (channels_last, in
-    training mode; compiled under the trainer's threshold with Inductor's random draws as eager's, so every run draws
-    the same shake gates), with each block's input gradient stored (``ShakeShakeBlock.store_input_grad``, the default)
-    and recomputed: the parameters' gradients against the eager float32 pass's, the worst tensor's relative error.
-    The store must be lowered once a block with it and never without it. In float32 (TF32 off) both compiles must be
-    near the eager gradients (a wrong stored gradient, or gates drawn differently, would be far off) and near each
-    other; in bf16, where a deep net's gradients are far from float32's anyway, the store may round one more tensor
-    but must not make them worse than the recomputing compile does (within half as much again), and the two must be
-    nearer each other than to float32. ``where`` "cpu", with a small ``batch``, checks this function's own logic
-    only. (Not the trainer's whole step: no CowMix, cuDNN's convolutions alone, Inductor's default options.)"""
+@contextlib.contextmanager
+def _exact_cudnn():
+    """cuDNN deterministic, untimed, without TF32 (float32 gradients comparable to eager's); restored after."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    cudnn.benchmark, cudnn.deterministic = False, True
+    cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _shakeshake_grads(where: str, batch: int, reads: int, segments: bool = False):
+    """A function ``grads(compiled, switches=(), on=True, bf16=False)`` giving the parameters' gradients (float32) of
+    one forward and backward pass of the bare shake-shake WRN-26-2 with a cross-entropy loss (channels_last, training
+    mode, one fixed batch), eager or compiled (``realize_reads_threshold`` ``reads``, Inductor's random draws as
+    eager's, so every run draws the same shake gates), with the class ``switches`` set to ``on`` while it is traced;
+    with ``segments`` the batch's two halves are normalised as the trainer's stacked call does (its one-pass batch
+    norm under torch.compile); and the number of ShakeShakeBlocks."""
     import torch._dynamo
     import torch._inductor.config as inductor
     import torch.nn.functional as F
-    from torch._inductor import lowering
 
     from trainables.models import ShakeShakeBlock
+    from trainables.segmented_bn import batch_segments, segmentable
+
+    dev = torch.device(where)
+    torch.manual_seed(0)
+    model = create_model("wrn26_2_shakeshake", 10).to(dev).to(memory_format=torch.channels_last).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=dev, generator=g)
+
+    def grads(compiled: bool, switches=(), on: bool = True, bf16: bool = False) -> list[torch.Tensor]:
+        net = copy.deepcopy(model)
+        torch._dynamo.reset()   # a fresh compilation for each setting (the switches are read when traced)
+        fn = torch.compile(net, dynamic=False) if compiled else net
+        halves = ((batch // 2, True), (batch - batch // 2, False))
+        torch.manual_seed(1)
+        with switched(switches, on=on), batch_segments(segmentable(net) if segments else [], halves), \
+                inductor.patch(fallback_random=True, realize_reads_threshold=reads, fx_graph_cache=False), \
+                torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
+            F.cross_entropy(fn(x).float(), y).backward()   # both graphs compile in here, lazily
+        torch._dynamo.reset()
+        return [p.grad.float() for p in net.parameters()]
+
+    return grads, sum(isinstance(m, ShakeShakeBlock) for m in model.modules())
+
+
+def _worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest relative error (norm) over the tensors of ``a`` against those of ``b``."""
+    return max(((u - v).norm() / v.norm().clamp_min(1e-30)).item() for u, v in zip(a, b))
+
+
+def _no_worse(err_on: float, err_off: float, apart: float, bf16: bool) -> bool:
+    """In float32 both compiles near the eager gradients (a wrong gradient, or gates drawn differently, would be far
+    off) and near each other; in bf16, where a deep net's gradients are far from float32's anyway, the change may
+    round differently but must not be worse than the default (within half as much again), and the two must be
+    nearer each other than to float32."""
+    if bf16:
+        return err_on <= 1.5 * err_off + 1e-4 and apart <= err_off + 1e-4
+    return err_on < 0.05 and err_off < 0.05 and apart < 0.05
+
+
+def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
+    """One forward and backward pass of the bare shake-shake WRN-26-2 (``_shakeshake_grads``, under the trainer's
+    threshold) with each block's input gradient stored (``ShakeShakeBlock.store_input_grad``, the default) and
+    recomputed: the parameters' gradients against the eager float32 pass's, the worst tensor's relative error, judged
+    by ``_no_worse``. The store must be lowered once a block with it and never without it. ``where`` "cpu", with a
+    small ``batch``, checks this function's own logic only. (Not the trainer's whole step: no CowMix, cuDNN's
+    convolutions alone, Inductor's default options.)"""
+    from torch._inductor import lowering
+
     from trainables.step import REALIZE_READS_BY_MODEL
     from trainables.stored_grad import register_lowering
 
@@ -370,53 +429,66 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
         lowered.append(1)
         return inner(g)
 
-    dev, name = torch.device(where), "wrn26_2_shakeshake"
-    cudnn = torch.backends.cudnn
-    saved = cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    cudnn.benchmark, cudnn.deterministic = False, True
-    cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(0)
-    model = create_model(name, 10).to(dev).to(memory_format=torch.channels_last).train()
-    blocks = sum(isinstance(m, ShakeShakeBlock) for m in model.modules())
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (batch,), device=dev, generator=g)
-
-    def grads(compiled: bool, store: bool = True, bf16: bool = False) -> list[torch.Tensor]:
-        net = copy.deepcopy(model)
-        torch._dynamo.reset()   # a fresh compilation for each setting (the block reads its switch when traced)
-        fn = torch.compile(net, dynamic=False) if compiled else net
-        lowered.clear()
-        torch.manual_seed(1)
-        with switched(SWITCHES["unstored-input-grads"], on=store), \
-                inductor.patch(fallback_random=True, realize_reads_threshold=REALIZE_READS_BY_MODEL[name],
-                               fx_graph_cache=False), \
-                torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
-            F.cross_entropy(fn(x).float(), y).backward()   # both graphs compile in here, lazily
-        torch._dynamo.reset()
-        return [p.grad.float() for p in net.parameters()]
-
-    def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-        return max(((u - v).norm() / v.norm().clamp_min(1e-30)).item() for u, v in zip(a, b))
-
     ok = True
     lowering.lowerings[op] = counted
     try:
-        want = grads(False)
-        for bf16 in (False, True):
-            stored = grads(True, True, bf16)
-            n_stored = len(lowered)
-            recomputed = grads(True, False, bf16)
-            n_recomputed = len(lowered)
-            err_stored, err_recomputed, apart = worst(stored, want), worst(recomputed, want), worst(stored, recomputed)
-            print(f"  shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, worst "
-                  f"tensor: input gradients stored {err_stored:.2e} ({n_stored} stores lowered), recomputed "
-                  f"{err_recomputed:.2e} ({n_recomputed}); stored against recomputed {apart:.2e}")
-            ok &= n_stored == blocks and n_recomputed == 0 and err_stored <= 1.5 * err_recomputed + 1e-4
-            ok &= apart <= err_recomputed + 1e-4 if bf16 else (err_recomputed < 0.05 and apart < 0.05)
+        with _exact_cudnn():
+            grads, blocks = _shakeshake_grads(where, batch, REALIZE_READS_BY_MODEL["wrn26_2_shakeshake"])
+            want = grads(False)
+            for bf16 in (False, True):
+                lowered.clear()
+                stored = grads(True, SWITCHES["unstored-input-grads"], True, bf16)
+                n_stored = len(lowered)
+                lowered.clear()
+                recomputed = grads(True, SWITCHES["unstored-input-grads"], False, bf16)
+                n_recomputed = len(lowered)
+                err_stored, err_recomputed = _worst(stored, want), _worst(recomputed, want)
+                apart = _worst(stored, recomputed)
+                print(f"  shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, worst "
+                      f"tensor: input gradients stored {err_stored:.2e} ({n_stored} stores lowered), recomputed "
+                      f"{err_recomputed:.2e} ({n_recomputed}); stored against recomputed {apart:.2e}")
+                ok &= n_stored == blocks and n_recomputed == 0 and _no_worse(err_stored, err_recomputed, apart, bf16)
     finally:
         lowering.lowerings[op] = inner
-        cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    return ok
+
+
+def check_fused_inner_bn_relu(where: str = "cuda", batch: int = 128, reads: int = 8) -> bool:
+    """The experiment ``ShakeShakeBlock.fused_inner_bn_relu`` in the backward pass, which the losses checks cannot
+    see (its forward values are the same): gradients of one forward and backward pass of the bare shake-shake
+    WRN-26-2 with the batch's halves as per-batch segments (``_shakeshake_grads``, threshold ``reads``), compiled with
+    the switch on and off, against the eager float32 pass's, judged by ``_no_worse``; the fused function must be
+    traced for both inner batch norms of every block with the switch and for none without it. ``where`` "cpu", with a
+    small ``batch``, checks this function's own logic only."""
+    from trainables.segmented_bn import SegmentedBatchNorm2d
+
+    one_pass, fused = SegmentedBatchNorm2d._equal_segments, []
+
+    def counted(self, x, relu=False):   # traced by Dynamo (a patched autograd.Function.apply would be bypassed)
+        fused.append(relu)
+        return one_pass(self, x, relu)
+
+    switches = SWITCHED_ON["fused-inner-bn-relu"]
+    ok = True
+    SegmentedBatchNorm2d._equal_segments = counted
+    try:
+        with _exact_cudnn():
+            grads, blocks = _shakeshake_grads(where, batch, reads, segments=True)
+            want = grads(False)
+            for bf16 in (False, True):
+                fused.clear()
+                on = grads(True, switches, True, bf16)
+                n_on = fused.count(True)
+                fused.clear()
+                off = grads(True, switches, False, bf16)
+                n_off = fused.count(True)
+                err_on, err_off, apart = _worst(on, want), _worst(off, want), _worst(on, off)
+                print(f"  shake-shake gradients (threshold {reads}), compiled {'bf16' if bf16 else 'float32'} against "
+                      f"eager float32, worst tensor: inner batch norm + ReLU fused {err_on:.2e} ({n_on} traced), two "
+                      f"modules {err_off:.2e} ({n_off}); fused against two modules {apart:.2e}")
+                ok &= n_on == 2 * blocks and n_off == 0 and _no_worse(err_on, err_off, apart, bf16)
+    finally:
+        SegmentedBatchNorm2d._equal_segments = one_pass
     return ok
 
 
@@ -437,8 +509,7 @@ def main() -> int:
               "stored_grad_shakeshake": check_stored_grad,
               "sum_stats": check_sum_stats,
               "losses_sum_stats_shakeshake": lambda: check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake"),
-              "losses_fused_inner_bn_relu_shakeshake":
-                  lambda: check_losses_switched_on("fused-inner-bn-relu", model="wrn26_2_shakeshake")}
+              "fused_inner_bn_relu_shakeshake": check_fused_inner_bn_relu}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

@@ -126,6 +126,11 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
             for owner, name in switches:
                 assert getattr(owner, name) is default, (variant, owner.__name__, name)
     assert step_ab.SWITCHED_ON["sum-stats"] == ((step_ab.SegmentedBatchNorm2d, "sum_stats"),)
+    for n in (6, 8):   # the fused inner batch norm + ReLU with the threshold under which its mask is recomputed
+        switch = ((step_ab.ShakeShakeBlock, "fused_inner_bn_relu"),)
+        assert step_ab.SWITCHED_ON[f"fused-inner-bn-relu-reads-{n}"] == switch
+        assert step_ab.variant_reads(f"fused-inner-bn-relu-reads-{n}") == n == step_ab.variant_reads(f"reads-{n}")
+    assert step_ab.variant_reads("fused-inner-bn-relu") is None and step_ab.variant_reads("wgrad-stream") is None
     # the shake-shake blocks' stored input gradients, on by default
     assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 
