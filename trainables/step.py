@@ -52,6 +52,9 @@ COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 # threshold, and 4 still measured a little faster than 8 (26.4 against 26.2 steps/s, untuned).
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
 
+# Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key.
+GRAPH_SWITCH_OWNERS = (ShakeShakeBlock, SegmentedBatchNorm2d)
+
 
 def realize_reads_wanted(cfg: TrainConfig) -> int | None:
     """``train.realize_reads_threshold``, or where it is None, the model's entry in ``REALIZE_READS_BY_MODEL``
@@ -371,8 +374,7 @@ class StepRunner:
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
                         self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
                         sorted(self.inductor_options.get("student", {}).items()),
-                        [getattr(ShakeShakeBlock, s) for s in ShakeShakeBlock.COMPILE_KEY_SWITCHES],
-                        [getattr(SegmentedBatchNorm2d, s) for s in SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES])
+                        [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])
 
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
