@@ -43,6 +43,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (SegmentedBatchNorm2d.sum_stats true, an experiment) instead of torch.var_mean (Welford under Inductor)
     fused-inner-bn-relu  as wgrad-stream, with each shake-shake branch's inner batch norm and ReLU as one bn_relu
             (ShakeShakeBlock.fused_inner_bn_relu true, an experiment) instead of two modules
+    transposed-forward  as wgrad-stream, with the forward of the convolutions in transposed_conv.SHAPES computed as
+            transposed convolutions (TransposedForward.on, an experiment; cuDNN's input-gradient kernels)
     fused-inner-bn-relu-reads-N  both of the above: the fused function's masked gradient is recomputed in its two
             backward kernels only under a threshold of 6 or more (N = 6 or 8); under the model's 4 Inductor stores it
 
@@ -79,6 +81,7 @@ from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
+from trainables.transposed_conv import TransposedForward  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
@@ -86,7 +89,7 @@ FUSED_READS = {f"fused-inner-bn-relu-reads-{n}": n for n in (6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "sum-stats",
-            "fused-inner-bn-relu", *FUSED_READS, *READS)
+            "fused-inner-bn-relu", "transposed-forward", *FUSED_READS, *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -98,6 +101,7 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments)
 SWITCHED_ON = {"sum-stats": ((SegmentedBatchNorm2d, "sum_stats"),),
+               "transposed-forward": ((TransposedForward, "on"),),
                "fused-inner-bn-relu": ((ShakeShakeBlock, "fused_inner_bn_relu"),),
                **{v: ((ShakeShakeBlock, "fused_inner_bn_relu"),) for v in FUSED_READS}}
 

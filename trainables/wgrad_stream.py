@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trainables import transposed_conv
 from trainables.compile_lock import tag_compile_caches
 from trainables.cuda_streams import shared_stream
 
@@ -107,7 +108,10 @@ def conv_format(x: Tensor, w: Tensor) -> torch.memory_format:
 def conv2d(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype with ``w_lo``: w cast to it by the
     caller (as autocast casts a convolution's weight; inside a compiled model, Inductor then casts all the
-    weights in a few kernels, and the backward pass reuses the casts). The gradient goes to w, in w's dtype."""
+    weights in a few kernels, and the backward pass reuses the casts). The gradient goes to w, in w's dtype.
+    The forward of some shapes runs as a transposed convolution (``trainables.transposed_conv``)."""
+    if transposed_conv.taken(x, w_lo, stride, padding):   # cuDNN's faster form for these shapes
+        return transposed_conv.conv2d_as_transposed(x, w_lo, padding).contiguous(memory_format=conv_format(x, w))
     return F.conv2d(x, w_lo, None, stride, padding).contiguous(memory_format=conv_format(x, w))
 
 
