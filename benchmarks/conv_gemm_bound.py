@@ -75,15 +75,20 @@ def triton_only(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-triton", action="store_true", help="skip Inductor's Triton templates (no compiles)")
+    parser.add_argument("--relu", action="store_true",
+                        help="inputs through a ReLU (half zeros, as in the model) instead of plain normal values")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first this many shapes")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.benchmark_limit = 0
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", flush=True)
-    for name, n, c, k, side in SHAPES:
+    for name, n, c, k, side in SHAPES[:args.shapes]:
         m = n * side * side
         tflop = 2 * m * 9 * c * k / 1e12
         x = rnd(n, c, side, side).to(memory_format=torch.channels_last)
+        if args.relu:
+            x = x.relu()
         w = rnd(k, c, 3, 3, scale=0.03).to(memory_format=torch.channels_last)
         dy = rnd(n, k, side, side).to(memory_format=torch.channels_last)
         a = rnd(m, 9 * c)                         # the forward's operand, materialised
