@@ -151,6 +151,51 @@ def check_sum_stats(where: str = "cuda", batch: int = 512) -> bool:
     return ok
 
 
+def _cuda_us(fn, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def check_transposed_forward(batch: int = 512) -> bool:
+    """``cowtune::conv2d`` (the student's convolutions under the weight-gradient stream) on bf16 channels_last
+    activations of each shape in ``transposed_conv.SHAPES``, with ``TransposedForward.on`` and off: the two outputs
+    within bf16 rounding of each other (1e-2 of the largest value), and different kernels launched (the proof that
+    the switch took the other form); the kernels' names and each form's time are printed."""
+    from trainables.transposed_conv import SHAPES, TransposedForward
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ok = True
+    for c, k, h, w_side in sorted(SHAPES):
+        x = torch.randn(batch, c, h, w_side, device="cuda", generator=gen, dtype=torch.bfloat16).relu()
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.randn(k, c, 3, 3, device="cuda", generator=gen) * 0.03
+        w_lo = w.to(torch.bfloat16)
+        outs, kernels, times = {}, {}, {}
+        for on in (False, True):
+            with switched(((TransposedForward, "on"),), on=on):
+                def run():
+                    return torch.ops.cowtune.conv2d(x, w, w_lo, [1, 1], [1, 1])
+                outs[on] = run().float()   # the first call: cuDNN's search for this form
+                times[on] = _cuda_us(run)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    run()
+                    torch.cuda.synchronize()
+                kernels[on] = sorted({e.key for e in prof.key_averages() if e.self_device_time_total > 0})
+        diff = ((outs[True] - outs[False]).abs().max() / outs[False].abs().max()).item()
+        print(f"  {c}->{k} at {h}x{w_side}, {batch} images: {diff:.1e} apart (relative to the largest value); "
+              f"plain {times[False]:.0f} us {kernels[False]}, transposed {times[True]:.0f} us {kernels[True]}",
+              flush=True)
+        ok &= diff < 1e-2 and kernels[True] != kernels[False]
+    return ok
+
+
 def check_losses_switched_on(variant: str, **kwargs) -> bool:
     """``check_losses`` with the class switches of step_ab's experiment ``variant`` on in the fast step (the plain
     step, eager with separate calls, takes none of the one-pass batch norm's paths they change)."""
@@ -509,7 +554,10 @@ def main() -> int:
               "stored_grad_shakeshake": check_stored_grad,
               "sum_stats": check_sum_stats,
               "losses_sum_stats_shakeshake": lambda: check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake"),
-              "fused_inner_bn_relu_shakeshake": check_fused_inner_bn_relu}
+              "fused_inner_bn_relu_shakeshake": check_fused_inner_bn_relu,
+              "transposed_forward": check_transposed_forward,
+              "losses_transposed_forward_shakeshake":
+                  lambda: check_losses_switched_on("transposed-forward", model="wrn26_6_shakeshake")}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

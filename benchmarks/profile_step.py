@@ -7,7 +7,8 @@ A trace shows where the GPU waits and what runs beside what: ``python benchmarks
 With ``--serial`` every kernel runs on the main stream: the sum of their durations is the step's work, each
 one measured alone. With ``--kernel-bytes`` the models compile afresh, into an Inductor cache directory of their
 own, with Inductor's byte count in each kernel's code, and each kernel's bytes and bandwidth are printed too
-(``benchmarks/kernel_bytes.py``).
+(``benchmarks/kernel_bytes.py``). ``--variant V`` profiles the step with the class switches of step_ab.py's variant
+V turned on (an experiment) or off.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
+from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables import wgrad_stream  # noqa: E402
@@ -54,7 +56,14 @@ def main() -> int:
                    help="also each Inductor kernel's bytes and TB/s (compiles afresh, in a cache directory of its own)")
     p.add_argument("--bandwidth", type=float, default=kernel_bytes.BANDWIDTH,
                    help=f"--kernel-bytes: TB/s to set the bytes against ({kernel_bytes.BANDWIDTH})")
+    p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
+                   help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
+    with switched_off(SWITCHES.get(args.variant, ())), switched(SWITCHED_ON.get(args.variant, ()), on=True):
+        return profile(args)
+
+
+def profile(args) -> int:
     code_dir = None
     if args.kernel_bytes:   # before anything compiles: kernel names repeat across models, so this run's alone
         code_dir = Path(tempfile.mkdtemp(prefix="profile-step-inductor-"))
@@ -88,7 +97,8 @@ def main() -> int:
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
-    print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}: wall {wall * 1e3:.2f} ms/step "
+    print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}"
+          f"{f' variant {args.variant}' if args.variant else ''}: wall {wall * 1e3:.2f} ms/step "
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
