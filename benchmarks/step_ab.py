@@ -39,14 +39,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
-    sum-stats  as wgrad-stream, with the stacked batch norms' statistics from shifted sums and sums of squares
-            (SegmentedBatchNorm2d.sum_stats true, an experiment) instead of torch.var_mean (Welford under Inductor)
-    fused-inner-bn-relu  as wgrad-stream, with each shake-shake branch's inner batch norm and ReLU as one bn_relu
-            (ShakeShakeBlock.fused_inner_bn_relu true, an experiment) instead of two modules
     transposed-forward  as wgrad-stream, with the forward of the convolutions in transposed_conv.SHAPES computed as
             transposed convolutions (TransposedForward.on, an experiment; cuDNN's input-gradient kernels)
-    fused-inner-bn-relu-reads-N  both of the above: the fused function's masked gradient is recomputed in its two
-            backward kernels only under a threshold of 6 or more (N = 6 or 8); under the model's 4 Inductor stores it
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -78,18 +72,15 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
-from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.transposed_conv import TransposedForward  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
-FUSED_READS = {f"fused-inner-bn-relu-reads-{n}": n for n in (6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "sum-stats",
-            "fused-inner-bn-relu", "transposed-forward", *FUSED_READS, *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "transposed-forward", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -100,15 +91,7 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON = {"sum-stats": ((SegmentedBatchNorm2d, "sum_stats"),),
-               "transposed-forward": ((TransposedForward, "on"),),
-               "fused-inner-bn-relu": ((ShakeShakeBlock, "fused_inner_bn_relu"),),
-               **{v: ((ShakeShakeBlock, "fused_inner_bn_relu"),) for v in FUSED_READS}}
-
-
-def variant_reads(variant: str) -> int | None:
-    """The realize_reads_threshold a variant compiles under, or None for the model's own."""
-    return READS.get(variant, FUSED_READS.get(variant))
+SWITCHED_ON = {"transposed-forward": ((TransposedForward, "on"),)}
 
 
 @contextlib.contextmanager
@@ -198,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
-                          tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=variant_reads(v),
+                          tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=READS.get(v),
                           cuda_graph="step" if device.type == "cuda" else "none")
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

@@ -125,59 +125,46 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
             assert variant in step_ab.VARIANTS, variant
             for owner, name in switches:
                 assert getattr(owner, name) is default, (variant, owner.__name__, name)
-    assert step_ab.SWITCHED_ON["sum-stats"] == ((step_ab.SegmentedBatchNorm2d, "sum_stats"),)
-    for n in (6, 8):   # the fused inner batch norm + ReLU with the threshold under which its mask is recomputed
-        switch = ((step_ab.ShakeShakeBlock, "fused_inner_bn_relu"),)
-        assert step_ab.SWITCHED_ON[f"fused-inner-bn-relu-reads-{n}"] == switch
-        assert step_ab.variant_reads(f"fused-inner-bn-relu-reads-{n}") == n == step_ab.variant_reads(f"reads-{n}")
-    assert step_ab.variant_reads("fused-inner-bn-relu") is None and step_ab.variant_reads("wgrad-stream") is None
+    assert step_ab.SWITCHED_ON["transposed-forward"] == ((step_ab.TransposedForward, "on"),)
     # the shake-shake blocks' stored input gradients, on by default
     assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 
 
 def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
-    """``sum-stats`` builds its runner and runs its warm-up (compile, capture) steps with the batch norm's switch on,
+    """``transposed-forward`` builds its runner and runs its warm-up (compile, capture) steps with its switch on,
     and the defaults' variant with it off; the switch is off again afterwards."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.chdir(tmp_path)
     import step_ab
-    from trainables.segmented_bn import SegmentedBatchNorm2d
+    from trainables.transposed_conv import TransposedForward
 
     seen: list[tuple[str, bool]] = []
     build = step_ab.build_runner
 
     def recording_build(*args, **kwargs):
         runner = build(*args, **kwargs)
-        seen.append(("build", SegmentedBatchNorm2d.sum_stats))
+        seen.append(("build", TransposedForward.on))
         step = runner.step
-        runner.step = lambda *a, **k: seen.append(("step", SegmentedBatchNorm2d.sum_stats)) or step(*a, **k)
+        runner.step = lambda *a, **k: seen.append(("step", TransposedForward.on)) or step(*a, **k)
         return runner
 
     monkeypatch.setattr(step_ab, "build_runner", recording_build)
-    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,sum-stats"]) == 0
+    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,transposed-forward"]) == 0
     # tiny: one warm-up step each, then one round (time_steps calls runner.step outside the switch)
     assert seen[:2] == [("build", False), ("step", False)]
     assert ("build", True) in seen and seen[seen.index(("build", True)) + 1] == ("step", True)
-    assert SegmentedBatchNorm2d.sum_stats is False
+    assert TransposedForward.on is False
 
 
 def test_gpu_checks_losses_switched_on_keeps_the_switch_on_for_the_check(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_checks
-    from trainables.segmented_bn import SegmentedBatchNorm2d
+    from trainables.transposed_conv import TransposedForward
 
     seen = []
-    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((SegmentedBatchNorm2d.sum_stats, kw)) or 1)
-    assert gpu_checks.check_losses_switched_on("sum-stats", model="wrn26_2_shakeshake") == 1
-    assert seen == [(True, {"model": "wrn26_2_shakeshake"})] and SegmentedBatchNorm2d.sum_stats is False
-
-
-def test_gpu_checks_sum_stats_runs_on_cpu(monkeypatch):
-    """The GPU check of the shifted sums' precision, on CPU with a small batch: the same code path and tolerance."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_checks
-
-    assert gpu_checks.check_sum_stats(where="cpu", batch=4)
+    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((TransposedForward.on, kw)) or 1)
+    assert gpu_checks.check_losses_switched_on("transposed-forward", model="wrn26_6_shakeshake") == 1
+    assert seen == [(True, {"model": "wrn26_6_shakeshake"})] and TransposedForward.on is False
 
 
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):

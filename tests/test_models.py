@@ -140,37 +140,6 @@ def test_one_first_conv_computes_what_two_do(switches, train):
         torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
 
 
-@pytest.mark.parametrize("one_first_conv", [True, False], ids=["one-first-conv", "two-first-convs"])
-def test_fused_inner_bn_relu_computes_what_two_modules_do(one_first_conv, monkeypatch):
-    """Each branch's inner batch norm and ReLU as one ``bn_relu`` (its one-pass function, as under torch.compile,
-    with per-batch segments): the same outputs, gradients and running statistics as the two modules (float64), and
-    the fused function runs for the two inner batch norms of every block and for none without the switch."""
-    from trainables.segmented_bn import SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments, segmentable
-
-    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
-    monkeypatch.setattr(ShakeShakeBlock, "one_first_conv", one_first_conv)
-    relu_calls: list[bool] = []
-    apply = _EqualSegmentsBatchNorm.apply
-    monkeypatch.setattr(_EqualSegmentsBatchNorm, "apply", lambda *a: relu_calls.append(a[5]) or apply(*a))
-    x = torch.randn(8, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    results = {}
-    for fused in (False, True):
-        monkeypatch.setattr(ShakeShakeBlock, "fused_inner_bn_relu", fused)
-        torch.manual_seed(0)
-        model = create_model("wrn26_2_shakeshake", 10).double()
-        relu_calls.clear()
-        with batch_segments(segmentable(model), ((4, True), (4, False))):
-            y, grads = _outputs_and_grads(model, x)
-        results[fused] = y, grads, model.state_dict(), relu_calls.count(True), len(relu_calls)
-    (y0, g0, s0, fused0, calls0), (y1, g1, s1, fused1, calls1) = results[False], results[True]
-    assert fused0 == 0 and fused1 == 2 * 12 and calls0 == calls1   # WRN-26: 12 blocks
-    torch.testing.assert_close(y0, y1, rtol=1e-12, atol=1e-12)
-    for n in g0:
-        torch.testing.assert_close(g0[n], g1[n], rtol=1e-10, atol=1e-12, msg=n)
-    for n in s0:
-        torch.testing.assert_close(s0[n], s1[n], rtol=1e-12, atol=1e-12, msg=n)
-
-
 def test_bias_free_model_matches_the_reference_layout(switches):
     """The reference's convolutions feeding a batch norm have a bias: with the same weights, the bias-free model
     gives the same outputs and gradients in training, the biases' own gradient is zero up to rounding, and the

@@ -14,11 +14,6 @@ batches have one size) are normalised in one pass over a view of the stack, with
 analytic backward (``_EqualSegmentsBatchNorm``), which Inductor fuses into as few kernels as one
 batch norm; otherwise (and eagerly, where the native kernels are faster) each segment is a separate
 ``F.batch_norm`` call and the results are concatenated.
-
-The one-pass statistics are ``torch.var_mean``'s, which Inductor lowers to a Welford reduction (a division per
-element) at these sizes. ``SegmentedBatchNorm2d.sum_stats`` (an experiment, off) computes them as sums of
-``x - shift`` and of its square in one pass instead (``shifted_sum_stats``), shifted by one value of each segment
-and channel, which keeps the subtraction ``E[d^2] - E[d]^2`` well conditioned as long as that value is a typical one.
 """
 from __future__ import annotations
 
@@ -40,9 +35,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     segments: Segments | None = None
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
-    sum_stats = False        # one-pass path: statistics from shifted sums (``shifted_sum_stats``) instead of
-                             # torch.var_mean (Welford under Inductor); an experiment for A/B timings, read when traced
-    COMPILE_KEY_SWITCHES = ("fuse_relu", "sum_stats")   # those that change a compiled graph
+    COMPILE_KEY_SWITCHES = ("fuse_relu",)   # those that change a compiled graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
@@ -77,7 +70,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu, self.sum_stats)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
         with torch.no_grad():
             n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
@@ -89,43 +82,20 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         return y
 
 
-def shifted_sum_stats(xs: torch.Tensor, dim: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(biased variance, mean) of ``xs`` over ``dim`` (kept), as ``torch.var_mean(xs, dim, keepdim=True,
-    correction=0)`` gives them, from one pass of two sums: of ``d = xs - shift`` and of ``d * d``, where ``shift`` is
-    one element of the data per remaining index, the middle one along each reduced dim (for an image batch: the
-    centre pixel of the first image, away from a convolution's zero-padded border).
-
-    Variance = mean(d^2) - mean(d)^2 carries a relative error of about eps * (1 + (shift - mean)^2 / variance),
-    eps the rounding of the sums: a shift a few standard deviations from the mean, as one sample typically lies,
-    costs a few roundings (float32 on CPU, 262,144 values: 6.6e-8 at 3 standard deviations, 1.1e-5 at 30, 5.8e-3
-    at 300, where ``var_mean`` stays near 5e-8). Unshifted sums of x and x^2 would have the mean itself in that
-    place: data of mean 1000 and variance 1 in float32 lose most of their precision."""
-    dim = tuple(sorted({d % xs.dim() for d in dim}))
-    shift = xs[tuple(slice(xs.shape[i] // 2, xs.shape[i] // 2 + 1) if i in dim else slice(None)
-                     for i in range(xs.dim()))]
-    d = xs - shift
-    mean_d = d.mean(dim=dim, keepdim=True)
-    var = ((d * d).mean(dim=dim, keepdim=True) - mean_d * mean_d).clamp_min(0)
-    return var, mean_d + shift
-
-
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
     ``relu``. Statistics are computed in float32 at least; returns (y in x's dtype, per-run means
-    (s, C), biased variances (s, C)); with ``sum_stats`` the statistics come from ``shifted_sum_stats``.
+    (s, C), biased variances (s, C)).
 
     The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
     backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
     that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps, relu, sum_stats=False):
+    def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
-        if sum_stats:
-            var, mean = shifted_sum_stats(xs, (1, 3, 4))
-        else:
-            var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
+        var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
         scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
         shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
@@ -152,7 +122,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None, None)
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
