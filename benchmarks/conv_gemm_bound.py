@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shakeshake_convs import grad, timed_us  # noqa: E402
 
 # (name, images, C in, K out, side): the student's convolutions (512 images) of WRN-26 shake-shake 96x2d
 SHAPES = (
@@ -37,26 +43,8 @@ SHAPES = (
 )
 
 
-def timed_us(fn, iters: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
 def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * scale
-
-
-def conv_grad(x, w, dy, which: int):
-    mask = [which == 0, which == 1, False]
-    return torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,7 +88,7 @@ def main() -> None:
         dyt = rnd(k, m)                           # the weight gradient's: K x M times M x 9C
         wt = w.transpose(0, 1).flip(2, 3).contiguous(memory_format=torch.channels_last)
         y, y_t = F.conv2d(x, w, padding=1), F.conv_transpose2d(x, wt, padding=1)
-        dw = conv_grad(x, w, dy, 1)[1]
+        dw = grad(x, w, dy, 1, 1)[1]
         dw_t = torch.ops.aten.convolution_backward(x, dy, wt, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
                                                    [False, True, False])[1].transpose(0, 1).flip(2, 3)
         print(f"  transposed forms: forward {rel(y_t, y):.1e}, weight grad {rel(dw_t, dw):.1e} from the plain forms "
@@ -111,9 +99,9 @@ def main() -> None:
             "forward as transposed conv": timed_us(lambda: F.conv_transpose2d(x, wt, padding=1)),
             "GEMM forward": timed_us(lambda: a @ b),
             f"GEMM forward, {kp} columns": timed_us(lambda: a @ bp),
-            "conv input grad": timed_us(lambda: conv_grad(x, w, dy, 0)),
+            "conv input grad": timed_us(lambda: grad(x, w, dy, 1, 0)),
             "GEMM input grad": timed_us(lambda: ad @ bd),
-            "conv weight grad": timed_us(lambda: conv_grad(x, w, dy, 1)),
+            "conv weight grad": timed_us(lambda: grad(x, w, dy, 1, 1)),
             "weight grad, roles swapped": timed_us(lambda: torch.ops.aten.convolution_backward(
                 x, dy, wt, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])),
             "GEMM weight grad": timed_us(lambda: dyt @ a),

@@ -68,6 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shakeshake_convs import timed_us  # noqa: E402
 from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
@@ -122,18 +123,6 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2") -> bool:
     return ok
 
 
-def _cuda_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
 def check_transposed_forward(batch: int = 512) -> bool:
     """``cowtune::conv2d`` (the student's convolutions under the weight-gradient stream) on bf16 channels_last
     activations of each shape in ``transposed_conv.SHAPES``, with ``TransposedForward.on`` and off: the two outputs
@@ -154,7 +143,7 @@ def check_transposed_forward(batch: int = 512) -> bool:
                 def run():
                     return torch.ops.cowtune.conv2d(x, w, w_lo, [1, 1], [1, 1])
                 outs[on] = run().float()   # the first call: cuDNN's search for this form
-                times[on] = _cuda_us(run)
+                times[on] = timed_us(run)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     run()
                     torch.cuda.synchronize()

@@ -209,3 +209,13 @@ def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeyp
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_bytes.py"), str(trace),
                         str(tmp_path / "plain")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "TORCHINDUCTOR_BENCHMARK_KERNEL=1" in r.stderr
+
+
+@pytest.mark.parametrize("script", ["conv_gemm_bound.py", "profile_step.py"])
+def test_gpu_only_scripts_import_and_parse_their_arguments(script):
+    """Scripts that need a GPU to run still import here (their helpers from the other scripts) and list their
+    options; profile_step.py offers step_ab's switched variants."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "transposed-forward"}[script] in r.stdout
