@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from trainables import transposed_conv
 from trainables.transposed_conv import TransposedForward, conv2d_as_transposed, taken
-from trainables.wgrad_stream import conv2d
+import trainables.wgrad_stream  # noqa: F401  (registers cowtune::conv2d)
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
@@ -35,12 +35,26 @@ def test_taken_only_on_its_gpu_for_its_shapes(monkeypatch):
     assert not taken(x, w, [1, 1], [1, 1])
 
 
-def test_operator_gives_conv2d_with_switch_on(monkeypatch):
-    """On CPU the operator keeps the plain form whatever the switch says; its values and gradients are conv2d's."""
-    monkeypatch.setattr(TransposedForward, "on", True)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_operator_taking_the_transposed_form_gives_conv2d(memory_format, monkeypatch):
+    """``cowtune::conv2d`` where it takes the transposed form (made to here on CPU, where ``taken`` says no): the
+    form runs, and the values, output layout and gradients (its backward unchanged) are F.conv2d's."""
+    ran = []
+    as_transposed = transposed_conv.conv2d_as_transposed
+    monkeypatch.setattr(transposed_conv, "taken", lambda *args: True)
+    monkeypatch.setattr(transposed_conv, "conv2d_as_transposed", lambda *a: ran.append(1) or as_transposed(*a))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(4, 4, 3, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    x0 = torch.randn(2, 4, 6, 6, dtype=torch.float64, generator=g).contiguous(memory_format=memory_format)
+    w0 = torch.randn(5, 4, 3, 3, dtype=torch.float64, generator=g)
+    dy = torch.randn(2, 5, 6, 6, dtype=torch.float64, generator=g)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     y = torch.ops.cowtune.conv2d(x, w, w, [1, 1], [1, 1])
-    torch.testing.assert_close(y, F.conv2d(x, w, padding=1), rtol=1e-12, atol=1e-12)
-    assert conv2d is not None
+    y.backward(dy)
+    assert ran == [1]
+    ref_x, ref_w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = F.conv2d(ref_x, ref_w, padding=1)
+    ref.backward(dy)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    assert y.is_contiguous(memory_format=memory_format)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-12, atol=1e-12)
