@@ -5,7 +5,7 @@ reduction of 9C and K columns (forward; the input gradient has the same sizes wi
 gradient is a K x 9C product reduced over M). cuDNN runs the first stage's (96 channels a branch) at about 0.6 of
 the efficiency of the other stages. This script times, bf16 on the GPU, each convolution (cuDNN, tuned)
 against cuBLAS's GEMM of the same sizes on a materialised operand (no im2col gather: the best an implicit
-GEMM could do with a library's tiles), the GEMM with the columns padded to the next multiple of 64 (does the
+GEMM could do with a library's tiles), the GEMM with more columns, up to the next multiple of 64 or 64 more (does the
 width alone cost?), and Inductor's Triton templates (max-autotune, Triton only) for the convolution and the
 GEMM. If cuBLAS's GEMM at 96 columns is no faster than cuDNN's convolution, a kernel of our own has little to win.
 
@@ -14,7 +14,7 @@ It also times each convolution's forward as the input gradient of the transposed
 input-gradient kernels) and its weight gradient with the roles of input and output gradient swapped (the weight
 gradient of that transposed form, flipped back), and says how far each is from the plain form's result.
 
-    python benchmarks/conv_gemm_bound.py [--no-triton]
+    python benchmarks/conv_gemm_bound.py [--no-triton] [--relu] [--shapes N]
 
 Measured: benchmarks/results/ (see docs/performance.md).
 """
@@ -81,7 +81,7 @@ def main() -> None:
         dy = rnd(n, k, side, side).to(memory_format=torch.channels_last)
         a = rnd(m, 9 * c)                         # the forward's operand, materialised
         b = rnd(9 * c, k, scale=0.03)
-        kp = -(-k // 64) * 64 if k % 64 else k + 64    # the next width a 64-wide tile fits exactly
+        kp = -(-k // 64) * 64 if k % 64 else k + 64    # the next multiple of 64, or 64 more
         bp = rnd(9 * c, kp, scale=0.03)
         ad = rnd(m, 9 * k)                        # the input gradient's operand
         bd = rnd(9 * k, c, scale=0.03)

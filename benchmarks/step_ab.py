@@ -40,7 +40,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
     transposed-forward  as wgrad-stream, with the forward of the convolutions in transposed_conv.SHAPES computed as
-            transposed convolutions (TransposedForward.on, an experiment; cuDNN's input-gradient kernels)
+            transposed convolutions (TransposedForward.on, an experiment; cuDNN's input-gradient kernels); only the
+            shake-shake 96x2d models have those shapes: elsewhere it measures the defaults
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).

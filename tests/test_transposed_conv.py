@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from trainables import transposed_conv
-from trainables.transposed_conv import TransposedForward, conv2d_as_transposed, taken
+from trainables.transposed_conv import TransposedForward, conv2d_as_transposed, shape_taken, taken
 import trainables.wgrad_stream  # noqa: F401  (registers cowtune::conv2d)
 
 
@@ -26,13 +26,25 @@ def test_refuses_padding_that_is_not_same():
         conv2d_as_transposed(x, w, [0, 0])
 
 
-def test_taken_only_on_its_gpu_for_its_shapes(monkeypatch):
+def test_taken_only_on_a_gpu_with_the_switch_on(monkeypatch):
     x, w = torch.randn(2, 96, 32, 32), torch.randn(96, 96, 3, 3)
+    assert shape_taken(tuple(x.shape), tuple(w.shape), [1, 1], [1, 1])
     monkeypatch.setattr(TransposedForward, "on", True)
-    assert (96, 96, 32, 32) in transposed_conv.SHAPES
     assert not taken(x, w, [1, 1], [1, 1])            # a CPU tensor: the measured form is cuDNN's
     monkeypatch.setattr(TransposedForward, "on", False)
     assert not taken(x, w, [1, 1], [1, 1])
+
+
+def test_shape_taken_only_for_the_listed_3x3_stride_1_convolutions(monkeypatch):
+    monkeypatch.setattr(transposed_conv, "SHAPES", frozenset({(96, 192, 32, 32)}))   # in and out channels differ
+    assert shape_taken((8, 96, 32, 32), (192, 96, 3, 3), [1, 1], [1, 1])
+    assert not shape_taken((8, 192, 32, 32), (96, 192, 3, 3), [1, 1], [1, 1])   # in and out swapped
+    assert not shape_taken((8, 96, 16, 16), (192, 96, 3, 3), [1, 1], [1, 1])    # another image size
+    assert not shape_taken((8, 96, 32, 32), (192, 96, 3, 3), [2, 2], [1, 1])    # stride 2
+    assert not shape_taken((8, 96, 32, 32), (192, 96, 3, 3), [1, 1], [0, 0])    # no padding
+    assert not shape_taken((8, 96, 32, 32), (192, 96, 1, 1), [1, 1], [1, 1])    # 1x1
+    monkeypatch.undo()
+    assert not shape_taken((8, 384, 8, 8), (384, 384, 3, 3), [1, 1], [1, 1])    # measured, no gain: not listed
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])

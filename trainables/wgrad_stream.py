@@ -10,7 +10,7 @@ reads the gradients. The kernels are the same, so the gradients are too, bit for
 
 Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast_conv``) and, for every
 other convolution without bias of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's
-kernels, as ``F.conv2d`` would run them). Nothing on the main stream may write, free or reuse what the side
+kernels, as ``F.conv2d`` would run them, unless the experiment ``TransposedForward.on`` asks otherwise). Nothing on the main stream may write, free or reuse what the side
 stream reads before the join, nor touch a gradient it writes:
 
 - what it reads is held until the join and recorded on it for the caching allocator, so autograd cannot
