@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
-from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
+from step_ab import SWITCHED_ON, SWITCHES, variant_switched  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables import wgrad_stream  # noqa: E402
@@ -59,7 +59,7 @@ def main() -> int:
     p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
                    help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
-    with switched_off(SWITCHES.get(args.variant, ())), switched(SWITCHED_ON.get(args.variant, ()), on=True):
+    with variant_switched(args.variant):
         return profile(args)
 
 

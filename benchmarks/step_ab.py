@@ -113,6 +113,14 @@ def switched_off(switches: tuple[tuple[type, str], ...] = ()):
     return switched(switches, on=False)
 
 
+@contextlib.contextmanager
+def variant_switched(variant: str | None):
+    """Within: the class switches ``variant`` changes set as it asks (those in ``SWITCHES`` off, those in
+    ``SWITCHED_ON`` on); restored on leaving. A variant without class switches (or None) changes nothing."""
+    with switched_off(SWITCHES.get(variant, ())), switched(SWITCHED_ON.get(variant, ()), on=True):
+        yield
+
+
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
     """The best row configuration per (op, N, C, K, H, W) over conv_rows_bench.py JSONs, where it beat cuDNN."""
     best_of: dict[tuple[str, int, int, int, int, int], tuple[float, dict]] = {}
@@ -188,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with switched_off(SWITCHES.get(v, ())), switched(SWITCHED_ON.get(v, ()), on=True):
+        with variant_switched(v):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

@@ -15,7 +15,7 @@ def test_same_sums_as_conv2d(memory_format, cin, cout, kernel):
     x = torch.randn(2, cin, 7, 9, dtype=torch.float64, generator=g).contiguous(memory_format=memory_format)
     w = torch.randn(cout, cin, kernel, kernel, dtype=torch.float64, generator=g)
     pad = [kernel // 2] * 2
-    y = conv2d_as_transposed(x, w, pad)
+    y = conv2d_as_transposed(x, w, pad, memory_format)
     torch.testing.assert_close(y, F.conv2d(x, w, padding=pad), rtol=1e-12, atol=1e-12)
     assert y.shape == (2, cout, 7, 9)
 
@@ -23,7 +23,7 @@ def test_same_sums_as_conv2d(memory_format, cin, cout, kernel):
 def test_refuses_padding_that_is_not_same():
     x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
     with pytest.raises(ValueError, match="'same' padding"):
-        conv2d_as_transposed(x, w, [0, 0])
+        conv2d_as_transposed(x, w, [0, 0], torch.contiguous_format)
 
 
 def test_taken_only_on_a_gpu_with_the_switch_on(monkeypatch):

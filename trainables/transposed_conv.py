@@ -38,13 +38,12 @@ def transposed_weight(w: Tensor, memory_format: torch.memory_format) -> Tensor:
     return w.transpose(0, 1).flip(2, 3).contiguous(memory_format=memory_format)
 
 
-def conv2d_as_transposed(x: Tensor, w: Tensor, padding: list[int]) -> Tensor:
-    """``F.conv2d(x, w, padding=padding)`` (stride 1, "same" padding) as the transposed convolution."""
+def conv2d_as_transposed(x: Tensor, w: Tensor, padding: list[int], weight_format: torch.memory_format) -> Tensor:
+    """``F.conv2d(x, w, padding=padding)`` (stride 1, "same" padding) as the transposed convolution, its weight made
+    in ``weight_format`` (the input's layout, so cuDNN copies neither)."""
     if any(k != 2 * p + 1 for k, p in zip(w.shape[2:], padding)):
         raise ValueError(f"conv2d_as_transposed needs 'same' padding: kernel {tuple(w.shape[2:])}, padding {padding}")
-    memory_format = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) \
-        else torch.contiguous_format
-    return F.conv_transpose2d(x, transposed_weight(w, memory_format), None, 1, padding)
+    return F.conv_transpose2d(x, transposed_weight(w, weight_format), None, 1, padding)
 
 
 def shape_taken(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: list[int], padding: list[int]) -> bool:
