@@ -39,9 +39,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
-    transposed-forward  as wgrad-stream, with the forward of the convolutions in transposed_conv.SHAPES computed as
-            transposed convolutions (TransposedForward.on, an experiment; cuDNN's input-gradient kernels); only the
-            shake-shake 96x2d models have those shapes: elsewhere it measures the defaults
+    one-first-bn  as wgrad-stream, with a shake-shake block's two first batch norms run as one over the stacked
+            output of its first convolutions (ShakeShakeBlock.one_first_bn, an experiment) instead of one a branch
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -75,13 +74,12 @@ from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
-from trainables.transposed_conv import TransposedForward  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "transposed-forward", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "one-first-bn", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -92,7 +90,7 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON = {"transposed-forward": ((TransposedForward, "on"),)}
+SWITCHED_ON = {"one-first-bn": ((ShakeShakeBlock, "one_first_bn"),)}
 
 
 @contextlib.contextmanager

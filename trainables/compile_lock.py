@@ -84,7 +84,7 @@ def step_key(*parts: object) -> str:
 # Our operators whose autograd formulas and fake implementations the compiled graphs call: Dynamo's graph names
 # an operator, not what its backward does, so Inductor's and AOTAutograd's on-disk caches cannot tell when these
 # change (a cached backward of the old code would call the new operator with the old arguments).
-OPERATOR_SOURCES = ("fast_conv.py", "wgrad_stream.py", "transposed_conv.py", "conv_bias_relu.py", "stored_grad.py")
+OPERATOR_SOURCES = ("fast_conv.py", "wgrad_stream.py", "conv_bias_relu.py", "stored_grad.py")
 
 
 @functools.cache

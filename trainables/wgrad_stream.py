@@ -10,9 +10,8 @@ reads the gradients. The kernels are the same, so the gradients are too, bit for
 
 Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast_conv``) and, for every
 other convolution without bias of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's
-kernels, as ``F.conv2d`` would run them, unless the experiment ``TransposedForward.on`` asks otherwise). Nothing
-on the main stream may write, free or reuse what the side stream reads before the join, nor touch a gradient it
-writes:
+kernels, as ``F.conv2d`` would run them). Nothing on the main stream may write, free or reuse what the side
+stream reads before the join, nor touch a gradient it writes:
 
 - what it reads is held until the join and recorded on it for the caching allocator, so autograd cannot
   add into it in place (it does so only to a tensor nobody else holds);
@@ -31,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables import transposed_conv
 from trainables.compile_lock import tag_compile_caches
 from trainables.cuda_streams import shared_stream
 
@@ -109,13 +107,8 @@ def conv_format(x: Tensor, w: Tensor) -> torch.memory_format:
 def conv2d(x: Tensor, w: Tensor, w_lo: Tensor, stride: list[int], padding: list[int]) -> Tensor:
     """conv2d(x, w, stride=stride, padding=padding) without bias, in x's dtype with ``w_lo``: w cast to it by the
     caller (as autocast casts a convolution's weight; inside a compiled model, Inductor then casts all the
-    weights in a few kernels, and the backward pass reuses the casts). The gradient goes to w, in w's dtype.
-    The forward of some shapes runs as a transposed convolution (``trainables.transposed_conv``)."""
-    if transposed_conv.taken(x, w_lo, stride, padding):   # cuDNN's faster form for these shapes
-        y = transposed_conv.conv2d_as_transposed(x, w_lo, padding, format_of(x))
-    else:
-        y = F.conv2d(x, w_lo, None, stride, padding)
-    return y.contiguous(memory_format=conv_format(x, w))
+    weights in a few kernels, and the backward pass reuses the casts). The gradient goes to w, in w's dtype."""
+    return F.conv2d(x, w_lo, None, stride, padding).contiguous(memory_format=conv_format(x, w))
 
 
 def empty_conv_output(x: Tensor, w: Tensor, stride: list[int], padding: list[int]) -> Tensor:
