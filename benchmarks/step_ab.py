@@ -39,8 +39,6 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
-    one-first-bn  as wgrad-stream, with a shake-shake block's two first batch norms run as one over the stacked
-            output of its first convolutions (ShakeShakeBlock.one_first_bn, an experiment) instead of one a branch
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -79,7 +77,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "one-first-bn", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -89,8 +87,9 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
-# variants that turn on class switches that are off by default (experiments)
-SWITCHED_ON = {"one-first-bn": ((ShakeShakeBlock, "one_first_bn"),)}
+# variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
+# here and in VARIANTS; none now: each one measured so far lost its A/B run and was removed, docs/performance.md)
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager

@@ -125,15 +125,14 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
             assert variant in step_ab.VARIANTS, variant
             for owner, name in switches:
                 assert getattr(owner, name) is default, (variant, owner.__name__, name)
-    assert step_ab.SWITCHED_ON["one-first-bn"] == ((step_ab.ShakeShakeBlock, "one_first_bn"),)
     # the shake-shake blocks' stored input gradients, on by default
     assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
 
 
 def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
-    """A variant of ``SWITCHED_ON`` builds its runner and runs its warm-up (compile, capture) steps with its switch
-    on, and the defaults' variant with it off; the switch is off again afterwards. (The experiment's own switch is
-    a shake-shake one, which the tiny model cannot take: a switch of the same kind stands in for it.)"""
+    """A variant of ``SWITCHED_ON`` (an experiment) builds its runner and runs its warm-up (compile, capture) steps
+    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (No experiment is
+    open now: one stands in, as an experiment adds itself.)"""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.chdir(tmp_path)
     import step_ab
@@ -141,7 +140,7 @@ def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_pa
     class Experiment:
         on = False
 
-    monkeypatch.setitem(step_ab.SWITCHED_ON, "one-first-bn", ((Experiment, "on"),))
+    _add_experiment(monkeypatch, step_ab, "experiment", ((Experiment, "on"),))
     seen: list[tuple[str, bool]] = []
     build = step_ab.build_runner
 
@@ -153,7 +152,7 @@ def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_pa
         return runner
 
     monkeypatch.setattr(step_ab, "build_runner", recording_build)
-    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,one-first-bn"]) == 0
+    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,experiment"]) == 0
     # tiny: one warm-up step each, then one round (time_steps calls runner.step outside the switch)
     assert seen[:2] == [("build", False), ("step", False)]
     assert ("build", True) in seen and seen[seen.index(("build", True)) + 1] == ("step", True)
@@ -164,9 +163,17 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import step_ab
 
+    _add_experiment(monkeypatch, step_ab, "shake-experiment", ((step_ab.ShakeShakeBlock, "one_first_conv"),))
     with pytest.raises(SystemExit):
-        step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,one-first-bn"])
-    assert "one-first-bn: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err
+        step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,shake-experiment"])
+    assert "shake-experiment: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err
+
+
+def _add_experiment(monkeypatch, step_ab, name, switches):
+    """``name`` a step_ab variant that turns ``switches`` on, as an experiment adds itself."""
+    monkeypatch.setattr(step_ab, "VARIANTS", (*step_ab.VARIANTS, name))
+    monkeypatch.setattr(step_ab, "STREAM_VARIANTS", (*step_ab.STREAM_VARIANTS, name))
+    monkeypatch.setitem(step_ab.SWITCHED_ON, name, switches)
 
 
 def test_gpu_checks_losses_switched_on_asks_for_the_switch_in_the_fast_step_only(monkeypatch):
@@ -174,12 +181,15 @@ def test_gpu_checks_losses_switched_on_asks_for_the_switch_in_the_fast_step_only
     built from the same classes, which would read a switch left on) and leaves the switch off."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_checks
-    from trainables.models import ShakeShakeBlock
 
+    class Experiment:
+        on = False
+
+    monkeypatch.setitem(gpu_checks.SWITCHED_ON, "experiment", ((Experiment, "on"),))
     seen = []
-    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((ShakeShakeBlock.one_first_bn, kw)) or 1)
-    assert gpu_checks.check_losses_switched_on("one-first-bn", model="wrn26_6_shakeshake") == 1
-    assert seen == [(False, {"fast_switches": ((ShakeShakeBlock, "one_first_bn"),), "model": "wrn26_6_shakeshake"})]
+    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((Experiment.on, kw)) or 1)
+    assert gpu_checks.check_losses_switched_on("experiment", model="wrn26_6_shakeshake") == 1
+    assert seen == [(False, {"fast_switches": ((Experiment, "on"),), "model": "wrn26_6_shakeshake"})]
 
 
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):
@@ -233,4 +243,4 @@ def test_gpu_only_scripts_import_and_parse_their_arguments(script):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "one-first-bn"}[script] in r.stdout
+    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads"}[script] in r.stdout

@@ -1,9 +1,7 @@
 """Tests for trainables/models.py: registry, shapes, gradients, pinned sizes, shake-shake, SAME pad."""
 from __future__ import annotations
 
-import contextlib
 import re
-from collections import Counter
 
 import pytest
 import torch
@@ -11,9 +9,6 @@ import torch
 from trainables.models import (
     BnFedConv2d, ShakeShakeBlock, SameConv2d, count_parameters, create_model, list_models, register_model,
     same_pad, shake_combine,
-)
-from trainables.segmented_bn import (
-    SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments, segmentable, stacked_batch_norm,
 )
 from trainables.validation import ConfigError
 
@@ -116,11 +111,9 @@ def test_block_train_gates_depend_on_rng():
 @pytest.fixture
 def switches():
     """Restores ShakeShakeBlock's class switches after a test that flips them."""
-    names = ShakeShakeBlock.COMPILE_KEY_SWITCHES
-    saved = [getattr(ShakeShakeBlock, name) for name in names]
+    saved = ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn
     yield ShakeShakeBlock
-    for name, value in zip(names, saved):
-        setattr(ShakeShakeBlock, name, value)
+    ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn = saved
 
 
 def _outputs_and_grads(model, x, seed=1):
@@ -145,50 +138,6 @@ def test_one_first_conv_computes_what_two_do(switches, train):
     torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
-
-
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-@pytest.mark.parametrize("segmented", [True, False], ids=["one-pass", "per-bn"])
-def test_one_first_bn_computes_what_two_do(switches, segmented, memory_format, monkeypatch):
-    """Both branches' first batch norms as one over the stacked convolution's output (``one_first_bn``): the same
-    outputs, gradients, running statistics and batch counts (float64), on the one-pass path of the stacked student
-    call (one call a block over both branches' channels) and, without segments, as one batch norm a branch."""
-    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)   # the path torch.compile takes
-    stacked_widths = []
-    apply = _EqualSegmentsBatchNorm.apply
-    monkeypatch.setattr(_EqualSegmentsBatchNorm, "apply", lambda *a: stacked_widths.append(a[1].numel()) or apply(*a))
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64).contiguous(memory_format=memory_format)
-    runs = {}
-    for on in (True, False):
-        switches.one_first_bn = on
-        torch.manual_seed(0)
-        model = create_model("wrn26_2_shakeshake", 10).double().to(memory_format=memory_format).train()
-        stacked_widths.clear()
-        with contextlib.ExitStack() as stack:
-            if segmented:
-                stack.enter_context(batch_segments(segmentable(model), ((2, True), (2, False))))
-            y, g = _outputs_and_grads(model, x)
-        runs[on] = y, g, model.state_dict(), list(stacked_widths)
-    (y1, g1, s1, widths_on), (y2, g2, s2, widths_off) = runs[True], runs[False]
-    if segmented:   # each block's two first batch norms in one call, of twice a branch's width
-        blocks = [m for m in create_model("wrn26_2_shakeshake", 10).modules() if isinstance(m, ShakeShakeBlock)]
-        widths = [b.branch_a[2].num_features for b in blocks]
-        assert Counter(widths_on) == Counter(widths_off) - Counter(widths * 2) + Counter(2 * c for c in widths)
-    else:
-        assert widths_on == widths_off == []
-    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
-    assert s1.keys() == s2.keys()
-    for n in s1:
-        torch.testing.assert_close(s1[n], s2[n], rtol=1e-12, atol=1e-12, msg=n)
-    assert any(n.endswith("num_batches_tracked") and v.item() == (2 if segmented else 1) for n, v in s1.items())
-
-
-def test_stacked_batch_norm_names_a_channel_mismatch():
-    bns = [torch.nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)]
-    with pytest.raises(ValueError, match=r"batch norms of \[3, 3\] channels for an input of 5"):
-        stacked_batch_norm(bns, torch.randn(2, 5, 4, 4))
 
 
 def test_bias_free_model_matches_the_reference_layout(switches):

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables.conv_bias_relu import conv_bias_relu
-from trainables.segmented_bn import bn_relu, convert_batch_norm, stacked_batch_norm
+from trainables.segmented_bn import bn_relu, convert_batch_norm
 from trainables.stored_grad import stored_grad
 from trainables.validation import unknown_name
-from trainables.wgrad_stream import format_of
 
 MODELS: dict[str, Callable[[int], nn.Module]] = {}
 
@@ -239,11 +238,7 @@ class ShakeShakeBlock(nn.Module):
                                 # read at each forward (once, when compiled or captured)
     store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; read when traced
-    # experiment, off by default: with one_first_conv, both branches' first batch norms as one over the stacked
-    # output (``stacked_batch_norm``); read at each forward (once, when compiled)
-    one_first_bn = False
-    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
-                            "one_first_bn")
+    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -283,10 +278,6 @@ class ShakeShakeBlock(nn.Module):
         conv_a, conv_b = self.branch_a[1], self.branch_b[1]   # _branch: ReLU, conv, BN, ReLU, conv, BN
         bias = None if conv_a.bias is None else torch.cat([conv_a.bias, conv_b.bias])
         y = conv_a.with_weights(F.relu(x), torch.cat([conv_a.weight, conv_b.weight]), bias)
-        if self.one_first_bn:   # both batch norms as one; each branch's second convolution on its own dense copy
-            h = F.relu(stacked_batch_norm((self.branch_a[2], self.branch_b[2]), y))
-            ha, hb = (part.contiguous(memory_format=format_of(y)) for part in h.split(conv_a.out_channels, dim=1))
-            return self.branch_a[4:](ha), self.branch_b[4:](hb)
         ya, yb = y.split(conv_a.out_channels, dim=1)
         return self.branch_a[2:](ya), self.branch_b[2:](yb)
 

@@ -71,19 +71,15 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
-        self._track(mean, var, x.numel() // (s * x.shape[1]))
-        return y
-
-    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
-        """The running statistics' updates of one call per segment, from each segment's (s, C) means and biased
-        variances over ``n`` values a channel."""
         with torch.no_grad():
+            n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
             for i, (_, update) in enumerate(self.segments):
                 self.num_batches_tracked.add_(1)
                 if update:
                     self.running_mean.lerp_(mean[i].to(self.running_mean.dtype), self.momentum)
                     self.running_var.lerp_(var[i].to(self.running_var.dtype), self.momentum)
+        return y
 
 
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
@@ -127,33 +123,6 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
                 sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
-
-
-def stacked_batch_norm(bns: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """The batch norms ``bns`` of consecutive runs of ``x``'s channels (the first ``bns[0].num_features``, then the
-    next, ...), concatenated: ``torch.cat([bn(part) for bn, part in zip(bns, x.split(...))], dim=1)``. Where each
-    is a ``SegmentedBatchNorm2d`` on its one-pass path with the same segments, ``eps`` and momentum, they run as one
-    over all of ``x``'s channels (their weights and biases concatenated): one reduction over contiguous channels for
-    the statistics and one for each backward sum, instead of one per batch norm over a strided channel slice. Each
-    keeps its own parameters, running statistics and batch counts, updated as its own call would."""
-    first = bns[0]
-    if sum(bn.num_features for bn in bns) != x.shape[1]:
-        raise ValueError(f"stacked_batch_norm: batch norms of {[bn.num_features for bn in bns]} channels for "
-                         f"an input of {x.shape[1]}")
-    one = all(type(bn) is SegmentedBatchNorm2d and bn.training and bn.segments is not None
-              and bn.segments == first.segments and bn.eps == first.eps and bn.momentum == first.momentum
-              and bn._one_pass(x) for bn in bns)
-    if not one:
-        return torch.cat([bn(part) for bn, part in zip(bns, x.split([b.num_features for b in bns], dim=1))], dim=1)
-    s = len(first.segments)
-    weight, bias = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
-    y, mean, var = _EqualSegmentsBatchNorm.apply(x, weight, bias, s, first.eps, False)
-    n, start = x.numel() // (s * x.shape[1]), 0
-    for bn in bns:
-        end = start + bn.num_features
-        bn._track(mean[:, start:end], var[:, start:end], n)
-        start = end
-    return y
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
