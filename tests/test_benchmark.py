@@ -236,11 +236,36 @@ def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeyp
     assert r.returncode != 0 and "TORCHINDUCTOR_BENCHMARK_KERNEL=1" in r.stderr
 
 
-@pytest.mark.parametrize("script", ["conv_gemm_bound.py", "profile_step.py"])
+@pytest.mark.parametrize("script", ["conv_gemm_bound.py", "profile_step.py", "cudnn_modes.py"])
 def test_gpu_only_scripts_import_and_parse_their_arguments(script):
     """Scripts that need a GPU to run still import here (their helpers from the other scripts) and list their
     options; profile_step.py offers step_ab's switched variants."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads"}[script] in r.stdout
+    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads",
+            "cudnn_modes.py": "--repeats"}[script] in r.stdout
+
+
+def test_cudnn_modes_adds_up_a_step_and_the_best_way_per_convolution(monkeypatch, capsys):
+    """Each way's step total is launches x times summed, the best of its processes; the per-convolution best takes
+    each op's fastest way: two convolutions, one run twice a step, under two ways whose winners differ."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cudnn_modes
+
+    def result(mode, us):
+        rows = [{"count": 2, "input": (4, 8, 8, 8), "weight": (8, 8, 3, 3), "stride": 1, "student": True,
+                 "us": {"forward": us[0], "input grad": us[1], "weight grad": us[2]}},
+                {"count": 1, "input": (2, 8, 8, 8), "weight": (16, 8, 3, 3), "stride": 1, "student": False,
+                 "us": {"forward": us[3]}}]
+        return {"mode": mode, "device": "GPU", "torch": "x", "rows": rows}
+
+    runs = [result("limit0", (10, 20, 30, 100)), result("heuristic", (5, 40, 30, 50)),
+            result("limit0", (12, 20, 30, 100))]
+    assert cudnn_modes.step_total(runs[0]) == 2 * 60 + 100
+    cudnn_modes.report(runs)
+    out = capsys.readouterr().out
+    assert "2x student 8->8 8x8 /1" in out and "1x teacher 8->16 8x8 /1" in out
+    step_line = next(line for line in out.splitlines() if line.startswith("a step"))
+    assert step_line.split()[-2:] == ["0.22", "0.20"]   # ms: limit0's best process 0.22, heuristic 0.20
+    assert "fastest way: 0.16 ms" in out   # 2 x (5 + 20 + 30) + 50 us
