@@ -48,7 +48,7 @@ eager, 7.6e-6 apart; bf16: 0.590 and 0.591 from eager, 1.7e-2 apart; 12 stores l
 losses_shakeshake OK (supervised 0.11%, CowMix 1.75%). Two experiments since removed (they did not pay), the same
 day: their checks printed values within their tolerances (shifted-sum statistics within 2.1e-6 of float64; losses
 within 0.10% and 1.69%; the fused inner batch norm + ReLU's float32 gradients identical to the two modules'); the run
-was stopped before the bf16 gradients and the verdict lines. A third, removed the session after (TransposedForward,
+was stopped before the bf16 gradients and the verdict lines. A third, removed later that day (TransposedForward,
 the forward of two convolution shapes as a transposed convolution; in git history at 41fbd0d): its check gave the plain
 form's values within 4.1e-3 (96 -> 96) and 3.2e-3 (192 -> 192) and its losses check passed (supervised 1.19%, CowMix
 0.82%; NVIDIA H100, 2026-11-28, ``benchmarks/results/2026-11-28-h100-gpu-checks-transposed-forward.txt``).
@@ -128,7 +128,7 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2", fast_swit
 
 def check_losses_switched_on(variant: str, **kwargs) -> bool:
     """``check_losses`` with the class switches of step_ab's experiment ``variant`` on in the fast step only (the
-    plain step's convolutions may be the same operator, which reads the switch too)."""
+    plain step's model may be built from the same classes, which would read a switch left on)."""
     return check_losses(fast_switches=SWITCHED_ON[variant], **kwargs)
 
 

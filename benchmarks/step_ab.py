@@ -88,7 +88,7 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
-# here and in VARIANTS; none now: each one measured so far lost its A/B run and was removed, docs/performance.md)
+# here and in VARIANTS; none now: none measured so far won its A/B run, and each was removed, docs/performance.md)
 SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 

@@ -248,24 +248,68 @@ def test_gpu_only_scripts_import_and_parse_their_arguments(script):
 
 
 def test_cudnn_modes_adds_up_a_step_and_the_best_way_per_convolution(monkeypatch, capsys):
-    """Each way's step total is launches x times summed, the best of its processes; the per-convolution best takes
-    each op's fastest way: two convolutions, one run twice a step, under two ways whose winners differ."""
+    """Each way's step total is launches x times summed, from the best of its processes; the per-convolution best
+    takes each op's fastest time over every process of every way: two convolutions, one run twice a step, two ways
+    whose winners differ by op, and a second process of one way faster on one op only."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import cudnn_modes
 
     def result(mode, us):
-        rows = [{"count": 2, "input": (4, 8, 8, 8), "weight": (8, 8, 3, 3), "stride": 1, "student": True,
+        rows = [{"count": 2, "input": (4, 8, 8, 8), "weight": (8, 8, 3, 3), "stride": 1, "kind": "student",
                  "us": {"forward": us[0], "input grad": us[1], "weight grad": us[2]}},
-                {"count": 1, "input": (2, 8, 8, 8), "weight": (16, 8, 3, 3), "stride": 1, "student": False,
+                {"count": 1, "input": (2, 8, 8, 8), "weight": (16, 8, 3, 3), "stride": 1, "kind": "fused",
                  "us": {"forward": us[3]}}]
         return {"mode": mode, "device": "GPU", "torch": "x", "rows": rows}
 
-    runs = [result("limit0", (10, 20, 30, 100)), result("heuristic", (5, 40, 30, 50)),
-            result("limit0", (12, 20, 30, 100))]
-    assert cudnn_modes.step_total(runs[0]) == 2 * 60 + 100
+    runs = [result("limit0", (100, 200, 300, 1000)), result("heuristic", (50, 400, 300, 500)),
+            result("limit0", (100, 150, 310, 1000))]
+    assert cudnn_modes.step_total(runs[0]) == 2 * 600 + 1000
+    assert cudnn_modes.step_total(runs[0], "student") == 1200 and cudnn_modes.step_total(runs[0], "teacher") == 1000
     cudnn_modes.report(runs)
     out = capsys.readouterr().out
-    assert "2x student 8->8 8x8 /1" in out and "1x teacher 8->16 8x8 /1" in out
-    step_line = next(line for line in out.splitlines() if line.startswith("a step"))
-    assert step_line.split()[-2:] == ["0.22", "0.20"]   # ms: limit0's best process 0.22, heuristic 0.20
-    assert "fastest way: 0.16 ms" in out   # 2 x (5 + 20 + 30) + 50 us
+    assert "2x student 8->8 8x8 /1" in out and "1x fused 8->16 8x8 /1" in out
+    totals = {line.split(" (")[0]: line.split()[-2:] for line in out.splitlines() if line.startswith("a step")}
+    # ms: limit0's processes 2.20 and 2.12 (its best), heuristic 2.00
+    assert totals == {"a step": ["2.12", "2.00"], "a step, the student": ["1.12", "1.50"],
+                      "a step, the teacher": ["1.00", "0.50"]}
+    rows = [line.split() for line in out.splitlines() if line.startswith("2x student")]
+    assert [r[-2:] for r in rows if "input" in r] == [["150.0", "400.0"]]   # limit0's second process
+    assert "fastest way: 1.50 ms" in out   # 2 x (50 + 150 + 300) + 500 us
+
+
+def test_cudnn_modes_lists_the_models_convolutions(monkeypatch):
+    """cudnn_modes.CONVS, against the convolutions the model calls: the shake-shake WRN-26 96x2d's student in
+    training mode and its folded teacher in eval mode (on the CPU, 2 images; batch sizes aside)."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cudnn_modes
+
+    from trainables.models import create_model
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution.default:
+                x, w, _, stride, padding = args[:5]
+                self.seen[(tuple(x.shape[1:]), tuple(w.shape), stride[0], padding[0])] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = create_model("wrn26_6_shakeshake", 10)
+    x = torch.randn(2, 3, 32, 32)
+    seen = {}
+    for name, train in (("student", True), ("teacher", False)):
+        with torch.no_grad(), Calls() as calls:
+            model.train(train)(x)
+        seen[name] = calls.seen
+    listed = {"student": collections.Counter(), "teacher": collections.Counter()}
+    for count, xs, ws, stride, pad, kind in cudnn_modes.CONVS:
+        assert xs[0] == (512 if kind == "student" else 256)
+        listed["student" if kind == "student" else "teacher"][(xs[1:], ws, stride, pad)] += count
+    assert listed == seen
