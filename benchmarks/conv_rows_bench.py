@@ -38,6 +38,7 @@ WRN_SHAPES = [  # (N, C, K, H, W): the student's stacked call (512) and the teac
     (256, 32, 32, 32, 32), (256, 64, 64, 16, 16), (256, 128, 128, 8, 8),
     (512, 16, 32, 32, 32), (256, 16, 32, 32, 32),    # the first block's first convolution
     (512, 3, 16, 32, 32), (256, 3, 16, 32, 32),      # the stem, on the images (no input gradient)
+    (512, 16, 96, 32, 32),   # the shake-shake WRN-26's first block: each branch's first convolution, and the shortcut
 ]
 IMAGE_OPS = ("fprop", "wgrad")   # the ops of a convolution on 1-3 channels (a stem's: its input needs no gradient)
 SMEM_LIMIT = 232448   # bytes of shared memory a program may use on an H100 (227 KiB)
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (float32 on cpu)")
     p.add_argument("--shapes", default="0,1,3,4",
                    help="comma-separated shape indices (0-5: N=512 C=32,64,128, then N=256; 6, 7: C=16 K=32 "
-                        "at N=512, 256; 8, 9: the stem, C=3 K=16, at N=512, 256)")
+                        "at N=512, 256; 8, 9: the stem, C=3 K=16, at N=512, 256; 10: the shake-shake WRN-26's "
+                        "C=16 K=96 at N=512)")
     p.add_argument("--ops", default="fprop,dgrad,wgrad,fprop_bn,wgrad_bn",
                    help="fprop, dgrad, wgrad, and fprop_bn, wgrad_bn: with the batch-norm + ReLU prologue")
     p.add_argument("--teacher-ops", default="fprop", help="ops timed at N=256 (the teacher only runs forward)")
@@ -100,6 +102,7 @@ def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> li
     stages = (1, 2) if op == "wgrad" else (2, 3)
     bms = (32, 64, 128) if c_in >= 128 else (64, 128, 256, 512) if c_in <= 4 else (64, 128)
     bns = sorted({c_out, c_out // 2, c_out // 4, c_out // 8} if c_in >= 128 else {c_out, c_out // 2})
+    bns = [b for b in bns if not b & (b - 1)] or [b for b in (16, 32, 64) if c_out % b == 0]   # 96: 32, 16
     out = []
     for bm, segs, bn, warps, st in itertools.product(bms, (1, 2, 4), bns, (4, 8), stages):
         fits = (12 * c_in * bn <= warps * 32 * 200) if op == "wgrad" else 2 * 4 * c_in * (3 * bn + bm) <= SMEM_LIMIT

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables.fast_conv import TritonConv2d, apply_conv_kernels, eligible, use_triton_convs
-from trainables.models import create_model
+from trainables.models import BnFedConv2d, SameConv2d, create_model
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -188,3 +188,51 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     torch.testing.assert_close(y, F.conv2d(x, w, padding=1))
     fast_conv._conv3x3_cuda(x, w, w)   # remembered: not tried again
     assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}
+
+
+@pytest.fixture
+def wider_switch(monkeypatch):
+    monkeypatch.setattr(TritonConv2d, "wider_switch", True)
+
+
+def test_wider_switch_takes_biased_and_same_padded_layers(wider_switch):
+    """The experiment's switch: WRN-28-2 keeps its 23 layers; the shake-shake WRN-26 gains its stem (with a bias) and
+    its first block's three 16 -> 96 convolutions (``SameConv2d`` at stride 1), which keep their own methods."""
+    assert use_triton_convs(create_model("wrn28_2", 10)) == 23
+    model = create_model("wrn26_6_shakeshake", 10)
+    keys = list(model.state_dict())
+    assert use_triton_convs(model) == 4
+    assert list(model.state_dict()) == keys
+    block = model.blocks[0]
+    switched = [model.stem, block.branch_a[1], block.branch_b[1], block.shortcut[0]]
+    assert all(isinstance(m, TritonConv2d) for m in switched)
+    assert isinstance(block.shortcut[0], BnFedConv2d) and isinstance(model.stem, SameConv2d)
+    assert model.stem.bias is not None and sum(isinstance(m, TritonConv2d) for m in model.modules()) == 4
+    assert eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
+    assert not eligible(SameConv2d(16, 32, 3, 2)) and not eligible(model.stem)   # stride 2; switched already
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval-folded"])
+@pytest.mark.parametrize("rows", [False, True], ids=["stacked-first-convs", "first-convs-one-by-one"])
+def test_wider_switched_shakeshake_computes_the_same(train, rows, wider_switch, monkeypatch):
+    """The shake-shake WRN-26 switched by the wider switch against the unswitched model, float64, forward and
+    backward; ``rows``: the first block's first convolutions one by one, as where the row kernels compute them
+    (on a GPU; here the operator runs PyTorch's convolution)."""
+    from trainables import models
+
+    monkeypatch.setattr(models, "computes_on_rows", lambda conv, x: rows and isinstance(conv, TritonConv2d))
+    torch.manual_seed(0)
+    a = create_model("wrn26_6_shakeshake", 10).double().train(train)
+    b = copy.deepcopy(a)
+    assert use_triton_convs(b) == 4
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    outs = []
+    for m in (a, b):
+        torch.manual_seed(1)   # the same shake-shake gates
+        outs.append(m(x))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-12)
+    if train:
+        for out in outs:
+            out.square().sum().backward()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)

@@ -2,10 +2,12 @@
 
 cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) at 10-33% of
 their memory bound on an H100. ``use_triton_convs(model)`` switches every eligible layer (3x3,
-stride 1, padding 1, no bias, a power-of-two number of input channels or 1-3 (a stem's, on images),
-output channels a multiple of 16) to ``TritonConv2d``: the same parameters and state dict, computed through the
+stride 1, padding 1, a power-of-two number of input channels or 1-3 (a stem's, on images), output
+channels a multiple of 16; a bias is added after the convolution, where Inductor fuses it into the
+next kernel) to ``TritonConv2d``: the same parameters and state dict, computed through the
 ``cowtune::conv3x3`` operator. On CUDA that operator runs the row-streaming kernels for the ops and
-shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's stem and 16-, 32- and 64-channel layers) and
+shapes in their measured table (``conv_rows.CONFIGS``: WRN-28-2's stem and 16-, 32- and 64-channel layers, the
+shake-shake WRN-26's stem and 16 -> 96 layers) and
 cuDNN for the rest; elsewhere it runs PyTorch's own convolution, so a model switched on one device
 still runs (and is tested) on another. torch.compile keeps the operator whole, as it does cuDNN's;
 its backward (``cowtune::conv3x3_backward``) returns both gradients (the input's only where it needs one: not
@@ -153,22 +155,60 @@ conv3x3.register_autograd(_backward, setup_context=_setup_context)
 
 
 class TritonConv2d(nn.Conv2d):
-    """An ``nn.Conv2d`` (3x3, stride 1, padding 1, no bias) computed by ``cowtune::conv3x3``. Under autocast
-    the input is cast as autocast casts a convolution's, and the weight to the input's dtype; its gradient comes
-    back in the weight's own dtype."""
+    """An ``nn.Conv2d`` (3x3, stride 1, padding 1) computed by ``cowtune::conv3x3``, its bias (if any) added after
+    it. Under autocast the input is cast as autocast casts a convolution's, and the weight and bias to the input's
+    dtype; their gradients come back in their own dtype. A subclass of ``nn.Conv2d`` (the models' ``SameConv2d``
+    at stride 1) is switched to a subclass of both (``triton_class``), keeping its other methods."""
+
+    # an experiment, off by default (benchmarks/step_ab.py): also switch convolutions with a bias and the models'
+    # SameConv2d layers at stride 1 (in the shake-shake WRN-26: its stem, and its first block's 16 -> 96
+    # convolutions, which then run one by one, not stacked); read when a model is switched
+    wider_switch = False
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
+        y = torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+
+
+_CLASSES: dict[type, type] = {nn.Conv2d: TritonConv2d}
+
+
+def triton_class(cls: type) -> type:
+    """``TritonConv2d`` for ``nn.Conv2d``; for a subclass of it, one subclass of both (made once)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Triton{cls.__name__}", (TritonConv2d, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def _plain_convolution(m: nn.Module) -> bool:
+    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.wider_switch``, with a bias too, and a subclass whose
+    forward is its plain convolution: the models' ``SameConv2d`` at stride 1 (``dynamic_pad`` False: its "SAME"
+    padding is the symmetric ``padding``)."""
+    if not TritonConv2d.wider_switch:
+        return type(m) is nn.Conv2d and m.bias is None
+    return type(m) is nn.Conv2d or (isinstance(m, nn.Conv2d) and getattr(m, "dynamic_pad", None) is False)
 
 
 def eligible(m: nn.Module) -> bool:
     """Whether ``m`` is a convolution the Triton kernels compute."""
-    return (type(m) is nn.Conv2d and m.kernel_size == (3, 3) and m.stride == (1, 1) and m.padding == (1, 1)
-            and m.dilation == (1, 1) and m.groups == 1 and m.bias is None and m.padding_mode == "zeros"
+    return (_plain_convolution(m) and not isinstance(m, TritonConv2d) and m.kernel_size == (3, 3)
+            and m.stride == (1, 1) and m.padding == (1, 1) and m.dilation == (1, 1) and m.groups == 1
+            and m.padding_mode == "zeros"
             and (m.in_channels < 4 or not m.in_channels & (m.in_channels - 1))   # 1-3: an image's channels
             and m.out_channels % CHANNEL_MULTIPLE == 0)
+
+
+def computes_on_rows(conv: nn.Module, x: Tensor) -> bool:
+    """Whether ``conv``'s forward on ``x`` runs a row kernel: a switched layer, on CUDA, whose shape the kernels'
+    table holds (else cuDNN's, through the same operator)."""
+    if not isinstance(conv, TritonConv2d) or x.device.type != "cuda":
+        return False
+    from trainables import conv_rows
+
+    n, c, h, w = x.shape
+    return conv_rows.tuned_config("fprop", n, c, conv.out_channels, h, w) is not None
 
 
 def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
@@ -192,6 +232,6 @@ def use_triton_convs(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         if eligible(m):
-            m.__class__ = TritonConv2d
+            m.__class__ = triton_class(type(m))
             count += 1
     return count

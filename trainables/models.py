@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables.conv_bias_relu import conv_bias_relu
+from trainables.fast_conv import computes_on_rows
 from trainables.segmented_bn import bn_relu, convert_batch_norm
 from trainables.stored_grad import stored_grad
 from trainables.validation import unknown_name
@@ -272,10 +273,12 @@ class ShakeShakeBlock(nn.Module):
     def branches(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both branches on ``x``. Their first convolutions read the same ReLU(x), so with ``one_first_conv`` they
         run as one convolution with the two weights stacked: the same sums, one pass over the input, and one
-        input gradient that adds both branches' contributions as it goes."""
-        if not self.one_first_conv:
-            return self.branch_a(x), self.branch_b(x)
+        input gradient that adds both branches' contributions as it goes. Not where our row kernels compute them
+        (``computes_on_rows``): their cost is the output's traffic, the same either way, and one by one each
+        weight gradient runs on the side stream from its own layer."""
         conv_a, conv_b = self.branch_a[1], self.branch_b[1]   # _branch: ReLU, conv, BN, ReLU, conv, BN
+        if not self.one_first_conv or computes_on_rows(conv_a, x):
+            return self.branch_a(x), self.branch_b(x)
         bias = None if conv_a.bias is None else torch.cat([conv_a.bias, conv_b.bias])
         y = conv_a.with_weights(F.relu(x), torch.cat([conv_a.weight, conv_b.weight]), bias)
         ya, yb = y.split(conv_a.out_channels, dim=1)
