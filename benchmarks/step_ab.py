@@ -39,9 +39,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
-    rows-wider  as sweep (it needs ``--rows-json``), with the row kernels' switch widened to convolutions with a
-            bias and the models' stride-1 SameConv2d layers (TritonConv2d.wider_switch, an experiment): the
-            shake-shake WRN-26's stem and its first block's 16 -> 96 convolutions
+    narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
+            (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
+            convolutions on cuDNN, the block's two first ones stacked
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -81,7 +81,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "rows-wider", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -90,11 +90,11 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
-            "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),)}
+            "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
+            "narrow-rows": ((TritonConv2d, "same_and_biased"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
-# here and in VARIANTS; those measured before and not won were removed, docs/performance.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {"rows-wider": ((TritonConv2d, "wider_switch"),)}
-SWEPT = ("sweep", "rows-wider")   # the variants that run with the row configurations of --rows-json added
+# here and in VARIANTS; none now: none measured so far won its A/B run, and each was removed, docs/performance.md)
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         autotune_convolutions()
     table = dict(conv_rows.CONFIGS)
-    if set(SWEPT) & set(variants) and not args.rows_json:
-        p.error(f"the {' and '.join(v for v in SWEPT if v in variants)} variant needs --rows-json")
+    if "sweep" in variants and not args.rows_json:
+        p.error("the sweep variant needs --rows-json")
     swept = rows_configs_from(args.rows_json) if args.rows_json else {}
     raw = load_images(None, 2000 if args.tiny else 20000)
     splits = make_splits(raw.train_labels, 0, 131, 100 if args.tiny else 1000, 0, raw.fingerprint)
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {}
     for v in variants:
         conv_rows.CONFIGS.clear()   # read when a runner's first steps run its kernels, before capture
-        conv_rows.CONFIGS.update({**table, **swept} if v in SWEPT else table)
+        conv_rows.CONFIGS.update({**table, **swept} if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",

@@ -40,7 +40,7 @@ def test_switch_only_eligible_layers_and_keep_the_state_dict():
     assert sorted((m.in_channels, m.kernel_size, m.stride) for m in model.modules() if type(m) is nn.Conv2d) == [
         (16, (1, 1), (1, 1)), (32, (1, 1), (2, 2)), (32, (3, 3), (2, 2)),
         (64, (1, 1), (2, 2)), (64, (3, 3), (2, 2))]
-    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True)) and not eligible(nn.Conv2d(48, 32, 3, 1, 1, bias=False))
+    assert not eligible(nn.Conv2d(48, 32, 3, 1, 1, bias=False))
     assert not eligible(nn.Conv2d(32, 24, 3, 1, 1, bias=False)) and not eligible(nn.Conv2d(32, 32, 3, 2, 1, bias=False))
     assert eligible(nn.Conv2d(16, 32, 3, 1, 1, bias=False)) and eligible(nn.Conv2d(3, 16, 3, 1, 1, bias=False))
     assert not eligible(nn.Conv2d(3, 8, 3, 1, 1, bias=False))
@@ -190,14 +190,9 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}
 
 
-@pytest.fixture
-def wider_switch(monkeypatch):
-    monkeypatch.setattr(TritonConv2d, "wider_switch", True)
-
-
-def test_wider_switch_takes_biased_and_same_padded_layers(wider_switch):
-    """The experiment's switch: WRN-28-2 keeps its 23 layers; the shake-shake WRN-26 gains its stem (with a bias) and
-    its first block's three 16 -> 96 convolutions (``SameConv2d`` at stride 1), which keep their own methods."""
+def test_switch_takes_biased_and_same_padded_layers():
+    """WRN-28-2's 23 layers; the shake-shake WRN-26's stem (with a bias) and its first block's three 16 -> 96
+    convolutions (``SameConv2d`` at stride 1), which keep their own methods; narrowed (for A/B timings), neither."""
     assert use_triton_convs(create_model("wrn28_2", 10)) == 23
     model = create_model("wrn26_6_shakeshake", 10)
     keys = list(model.state_dict())
@@ -210,12 +205,18 @@ def test_wider_switch_takes_biased_and_same_padded_layers(wider_switch):
     assert model.stem.bias is not None and sum(isinstance(m, TritonConv2d) for m in model.modules()) == 4
     assert eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
     assert not eligible(SameConv2d(16, 32, 3, 2)) and not eligible(model.stem)   # stride 2; switched already
+    narrowed = create_model("wrn26_6_shakeshake", 10)
+    TritonConv2d.same_and_biased = False
+    try:
+        assert use_triton_convs(narrowed) == 0 and not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
+    finally:
+        TritonConv2d.same_and_biased = True
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval-folded"])
 @pytest.mark.parametrize("rows", [False, True], ids=["stacked-first-convs", "first-convs-one-by-one"])
-def test_wider_switched_shakeshake_computes_the_same(train, rows, wider_switch, monkeypatch):
-    """The shake-shake WRN-26 switched by the wider switch against the unswitched model, float64, forward and
+def test_switched_shakeshake_computes_the_same(train, rows, monkeypatch):
+    """The shake-shake WRN-26 switched against the unswitched model, float64, forward and
     backward; ``rows``: the first block's first convolutions one by one, as where the row kernels compute them
     (on a GPU; here the operator runs PyTorch's convolution)."""
     from trainables import models

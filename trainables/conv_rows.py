@@ -27,8 +27,9 @@ output-gradient rows below, at and above it (two carried from earlier steps) in 
 adds them in a fixed order, so the result is deterministic (no atomics).
 
 Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): NHWC
-(channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4, or 1-3 (an image's:
-the tile holds 4, the rest zero); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
+(channels_last) activations of float16, bfloat16 or float32; any C (the tile holds C rounded up to a power
+of two >= 4, the rest zero: an image's 1-3 channels in 4, or an input gradient's 96 in 128; the
+batch-norm prologue needs a power of two); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
 two >= 16 and a multiple of W) and H divisible by the number of row bands. Measured (H100, bf16,
 CUDA-graph replay, L2 flushed; benchmarks/conv_rows_bench.py --table-only; docs/performance.md): at
 N=512, 32 channels, 32x32, forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight
@@ -272,6 +273,10 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     ("fprop", 256, 3, 16, 32, 32): {"BM": 64, "SEGS": 4, "BN": 16, "num_warps": 4, "num_stages": 3},  # 14.6 / 44.6
     # (*) with the partial sums added by _sum_partials_kernel, swept again (...-conv-rows-stem-wgrad-resweep.json;
     # 40.1 with torch's sum)
+    # The shake-shake WRN-26's first block: each branch's first convolution and the shortcut, 16 -> 96 at 32x32,
+    # swept on an H200 on 2026-11-28 (benchmarks/results/2026-11-28-h200-conv-rows-shakeshake-first-block.json):
+    ("fprop", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 3},   # 70.2 / 120.3
+    ("wgrad", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 1},   # 90.2 / 151.2
 }
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
@@ -339,14 +344,14 @@ def _check_activation(name: str, t: torch.Tensor) -> None:
 
 
 def _tile_channels(c: int, k: int) -> int:
-    """The channels of the kernels' wide tile for C input channels: C, a power of two >= 4, or 4 for
-    1-3 (an image's; the tile's other columns are zero). ValueError for other C or K."""
-    if c < 1 or (c >= 4 and c & (c - 1)):
-        raise ValueError(f"the row kernels need a power-of-two number of input channels >= 4 (or 1-3, an "
-                         f"image's), got {c}")
+    """The channels of the kernels' wide tile for C input channels: C rounded up to a power of two >= 4 (the
+    tile's columns of channels C and up are zero: an image's 1-3, or the 96 of an input gradient's dy).
+    ValueError for no channels, or K not a multiple of 16."""
+    if c < 1:
+        raise ValueError(f"the row kernels need at least one input channel, got {c}")
     if k % 16:
         raise ValueError(f"the row kernels need a multiple of 16 output channels, got {k}")
-    return max(c, 4)
+    return max(4, triton.next_power_of_2(c))
 
 
 def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, tile_c: int, imgs: int,

@@ -160,10 +160,10 @@ class TritonConv2d(nn.Conv2d):
     dtype; their gradients come back in their own dtype. A subclass of ``nn.Conv2d`` (the models' ``SameConv2d``
     at stride 1) is switched to a subclass of both (``triton_class``), keeping its other methods."""
 
-    # an experiment, off by default (benchmarks/step_ab.py): also switch convolutions with a bias and the models'
-    # SameConv2d layers at stride 1 (in the shake-shake WRN-26: its stem, and its first block's 16 -> 96
-    # convolutions, which then run one by one, not stacked); read when a model is switched
-    wider_switch = False
+    # also switch convolutions with a bias and the models' SameConv2d layers at stride 1 (in the shake-shake WRN-26:
+    # its stem, and its first block's 16 -> 96 convolutions, which then run one by one, not stacked; H200: 28.5 ->
+    # 28.7 steps/s, docs/performance.md); off: nn.Conv2d without bias only (for A/B timings); read when switching
+    same_and_biased = True
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -183,10 +183,10 @@ def triton_class(cls: type) -> type:
 
 
 def _plain_convolution(m: nn.Module) -> bool:
-    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.wider_switch``, with a bias too, and a subclass whose
+    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.same_and_biased``, with a bias too, and a subclass whose
     forward is its plain convolution: the models' ``SameConv2d`` at stride 1 (``dynamic_pad`` False: its "SAME"
     padding is the symmetric ``padding``)."""
-    if not TritonConv2d.wider_switch:
+    if not TritonConv2d.same_and_biased:
         return type(m) is nn.Conv2d and m.bias is None
     return type(m) is nn.Conv2d or (isinstance(m, nn.Conv2d) and getattr(m, "dynamic_pad", None) is False)
 
