@@ -42,6 +42,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
             (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
+    defer-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated after the
+            stacked student call in a few foreach kernels (SegmentedBatchNorm2d.defer_stats, an experiment)
+            instead of in small kernels of their own inside it
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -73,6 +76,7 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast_conv import TritonConv2d  # noqa: E402
+from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
@@ -81,7 +85,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "defer-stats", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -93,8 +97,8 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
             "narrow-rows": ((TritonConv2d, "same_and_biased"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
-# here and in VARIANTS; none now: none measured so far won its A/B run, and each was removed, docs/performance.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
+# here and in VARIANTS; those measured and not won were removed, docs/performance.md)
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {"defer-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
 
 
 @contextlib.contextmanager

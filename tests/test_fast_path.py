@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainables import metrics as M
+from trainables import segmented_bn
 from trainables.config import TrainConfig
 from trainables.data import Batch, prepare_data
 from trainables.models import create_model
@@ -189,3 +190,39 @@ def test_fused_bn_relu_is_relu_after_batch_norm(monkeypatch):
     states = [models[f].state_dict() for f in (False, True)]
     for name, v in states[0].items():
         assert torch.allclose(v, states[1][name], atol=1e-12, rtol=0), name
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deferred_running_statistics_are_the_layers_own(compiled, monkeypatch):
+    """``defer_stats``: the one-pass calls' running statistics and batch counts updated after the stacked call, in a
+    few foreach kernels, equal those each layer updates itself; with two updating segments and one frozen, over
+    two calls (eagerly in float64; compiled in float32, where Dynamo replays the calls' statistics after the
+    graph)."""
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+    dtype = torch.float32 if compiled else torch.float64
+    torch.manual_seed(0)
+    base = create_model("cnn_tiny", 10).to(dtype)
+    for m in base.modules():
+        if isinstance(m, SegmentedBatchNorm2d):
+            m.momentum = 0.3 if m.num_features == 64 else 0.1   # two momenta: two groups of lerps
+    models, outs = {}, {}
+    for defer in (False, True):
+        monkeypatch.setattr(SegmentedBatchNorm2d, "defer_stats", defer)
+        model = models[defer] = copy.deepcopy(base)
+        call = torch.compile(model, dynamic=False) if compiled else model
+        if compiled:
+            torch._dynamo.reset()
+        g = torch.Generator().manual_seed(1)
+        outs[defer] = []
+        for segments in (((4, True), (4, False), (4, True)), ((4, True), (4, True), (4, False))):
+            x = torch.randn(12, 3, 16, 16, generator=g, dtype=dtype) * 2 + 1
+            with batch_segments(segmentable(model), segments):
+                outs[defer].append(call(x))
+    tol = dict(atol=1e-5, rtol=1e-5) if compiled else dict(atol=1e-12, rtol=1e-10)
+    for a, b in zip(outs[False], outs[True]):
+        torch.testing.assert_close(b, a, **tol)
+    states = [models[d].state_dict() for d in (False, True)]
+    for name, v in states[0].items():
+        torch.testing.assert_close(states[1][name], v, **tol, msg=name)
+    assert all(m.num_batches_tracked.item() == 6 for m in segmentable(models[True]))
+    assert not segmented_bn._DEFERRED

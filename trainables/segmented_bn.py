@@ -35,7 +35,11 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     segments: Segments | None = None
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
-    COMPILE_KEY_SWITCHES = ("fuse_relu",)   # those that change a compiled graph
+    # an experiment, off by default (benchmarks/step_ab.py): the one-pass path leaves its statistics to
+    # ``batch_segments``, which updates every layer's running statistics and batch count in a few foreach kernels
+    # after the call, instead of two to three small kernels per layer inside it
+    defer_stats = False
+    COMPILE_KEY_SWITCHES = ("fuse_relu", "defer_stats")   # those that change a compiled graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.segments is None or not self.training:
@@ -71,8 +75,11 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
+        n = x.numel() // (s * self.num_features)
+        if self.defer_stats:
+            _DEFERRED.append((self, mean, var, n / (n - 1)))
+            return y
         with torch.no_grad():
-            n = x.numel() // (s * self.num_features)
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
             for i, (_, update) in enumerate(self.segments):
                 self.num_batches_tracked.add_(1)
@@ -152,12 +159,44 @@ def segmentable(model: nn.Module) -> list[SegmentedBatchNorm2d] | None:
     return bns if all(type(m) is SegmentedBatchNorm2d for m in bns) else None
 
 
+# (layer, per-segment means, biased variances, unbiasing factor) of the one-pass calls inside ``batch_segments``
+# with ``defer_stats`` on, in call order; under torch.compile, Dynamo replays the appends after the compiled call
+_DEFERRED: list[tuple[SegmentedBatchNorm2d, torch.Tensor, torch.Tensor, float]] = []
+
+
 @contextlib.contextmanager
 def batch_segments(bns: Sequence[SegmentedBatchNorm2d], segments: Segments) -> Iterator[None]:
+    _DEFERRED.clear()
     for m in bns:
         m.segments = segments
     try:
         yield
+        _update_deferred(segments)
     finally:
+        _DEFERRED.clear()
         for m in bns:
             m.segments = None
+
+
+@torch.no_grad()
+def _update_deferred(segments: Segments) -> None:
+    """The running statistics and batch counts the deferred one-pass calls left: for each segment that updates,
+    in order, every layer's running mean and (unbiased) variance moved toward its statistics by its momentum,
+    as the layers would have one by one; a few foreach kernels for all of them."""
+    if not _DEFERRED:
+        return
+    layers = [m for m, *_ in _DEFERRED]
+    torch._foreach_add_([m.num_batches_tracked for m in layers], len(segments))
+    unbiased = torch._foreach_mul([v for _, _, v, _ in _DEFERRED], [f for *_, f in _DEFERRED])
+    running = [m.running_mean for m in layers] + [m.running_var for m in layers]
+    by_momentum: dict[float, list[int]] = {}
+    for j, m in enumerate(layers):
+        by_momentum.setdefault(m.momentum, []).append(j)
+    for i, (_, update) in enumerate(segments):
+        if not update:
+            continue
+        stats = [mean[i].to(m.running_mean.dtype) for m, mean, _, _ in _DEFERRED] + \
+                [v[i].to(m.running_var.dtype) for m, v in zip(layers, unbiased)]
+        for momentum, js in by_momentum.items():
+            picks = js + [len(layers) + j for j in js]
+            torch._foreach_lerp_([running[p] for p in picks], [stats[p] for p in picks], momentum)
