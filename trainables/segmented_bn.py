@@ -77,7 +77,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
         n = x.numel() // (s * self.num_features)
         if self.defer_stats:
-            _DEFERRED.append((self, mean, var, n / (n - 1)))
+            _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
             return y
         with torch.no_grad():
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
