@@ -105,8 +105,7 @@ def candidate_configs(c: int, k: int, h: int, w: int, op: str, tiny: bool) -> li
     bns = [b for b in bns if not b & (b - 1)] or [b for b in (16, 32, 64) if c_out % b == 0]   # 96: 32, 16
     out = []
     for bm, segs, bn, warps, st in itertools.product(bms, (1, 2, 4), bns, (4, 8), stages):
-        tile = max(4, 1 << (c_in - 1).bit_length())   # the wide tile's channels: c_in up to a power of two
-        fits = (12 * tile * bn <= warps * 32 * 200) if op == "wgrad" else 2 * 4 * tile * (3 * bn + bm) <= SMEM_LIMIT
+        fits = (12 * c_in * bn <= warps * 32 * 200) if op == "wgrad" else 2 * 4 * c_in * (3 * bn + bm) <= SMEM_LIMIT
         if bn >= 16 and bm % w == 0 and h % segs == 0 and h // segs >= 4 and fits:
             out.append({"BM": bm, "SEGS": segs, "BN": bn, "num_warps": warps, "num_stages": st})
     return out

@@ -42,9 +42,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
             (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
-    defer-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated after the
-            stacked student call in a few foreach kernels (SegmentedBatchNorm2d.defer_stats, an experiment)
-            instead of in small kernels of their own inside it
+    inline-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated in small
+            kernels of their own inside the stacked student call (SegmentedBatchNorm2d.defer_stats false) instead
+            of after it in a few foreach kernels
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -85,7 +85,7 @@ from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
-            "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "defer-stats", *READS)
+            "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -95,10 +95,12 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
-            "narrow-rows": ((TritonConv2d, "same_and_biased"),)}
+            "narrow-rows": ((TritonConv2d, "same_and_biased"),),
+            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
-# here and in VARIANTS; those measured and not won were removed, docs/performance.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {"defer-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
+# here and in VARIANTS; none now: those measured either won their A/B run and are on by default, or were removed,
+# docs/performance.md)
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager

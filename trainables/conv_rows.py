@@ -27,9 +27,8 @@ output-gradient rows below, at and above it (two carried from earlier steps) in 
 adds them in a fixed order, so the result is deterministic (no atomics).
 
 Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): NHWC
-(channels_last) activations of float16, bfloat16 or float32; any C (the tile holds C rounded up to a power
-of two >= 4, the rest zero: an image's 1-3 channels in 4, or an input gradient's 96 in 128; the
-batch-norm prologue needs a power of two); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
+(channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4, or 1-3 (an image's:
+the tile holds 4, the rest zero); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
 two >= 16 and a multiple of W) and H divisible by the number of row bands. Measured (H100, bf16,
 CUDA-graph replay, L2 flushed; benchmarks/conv_rows_bench.py --table-only; docs/performance.md): at
 N=512, 32 channels, 32x32, forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight
@@ -277,6 +276,8 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     # swept on an H200 on 2026-11-28 (benchmarks/results/2026-11-28-h200-conv-rows-shakeshake-first-block.json):
     ("fprop", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 3},   # 70.2 / 120.3
     ("wgrad", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 1},   # 90.2 / 151.2
+    # (Its input gradient stays cuDNN's: the forward kernel on dy's 96 channels, padded to 128 in a trial build, took
+    # 173.9 us against 123.7, ...-2026-11-28-h200-conv-rows-dgrad-96-channels.json.)
 }
 TUNED_CAPABILITY = 9   # the compute capability (major) the table was measured on
 
@@ -344,14 +345,14 @@ def _check_activation(name: str, t: torch.Tensor) -> None:
 
 
 def _tile_channels(c: int, k: int) -> int:
-    """The channels of the kernels' wide tile for C input channels: C rounded up to a power of two >= 4 (the
-    tile's columns of channels C and up are zero: an image's 1-3, or the 96 of an input gradient's dy).
-    ValueError for no channels, or K not a multiple of 16."""
-    if c < 1:
-        raise ValueError(f"the row kernels need at least one input channel, got {c}")
+    """The channels of the kernels' wide tile for C input channels: C, a power of two >= 4, or 4 for
+    1-3 (an image's; the tile's other columns are zero). ValueError for other C or K."""
+    if c < 1 or (c >= 4 and c & (c - 1)):
+        raise ValueError(f"the row kernels need a power-of-two number of input channels >= 4 (or 1-3, an "
+                         f"image's), got {c}")
     if k % 16:
         raise ValueError(f"the row kernels need a multiple of 16 output channels, got {k}")
-    return max(4, triton.next_power_of_2(c))
+    return max(c, 4)
 
 
 def _check_affine(scale: torch.Tensor | None, shift: torch.Tensor | None, n: int, c: int, tile_c: int, imgs: int,
