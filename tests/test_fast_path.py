@@ -226,3 +226,35 @@ def test_deferred_running_statistics_are_the_layers_own(compiled, monkeypatch):
         torch.testing.assert_close(states[1][name], v, **tol, msg=name)
     assert all(m.num_batches_tracked.item() == 6 for m in segmentable(models[True]))
     assert not segmented_bn._DEFERRED
+
+
+def test_deferred_running_statistics_of_a_layer_called_twice(monkeypatch):
+    """A batch norm called twice in one stacked call (a shared module) updates its running statistics for its first
+    call, then for its second, as it does without deferral (float64)."""
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.other = torch.nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return self.bn(self.other(self.bn(x)) * 3 + 1)
+
+    base = convert_batch_norm(Shared()).double()
+    rounds = []   # each foreach round's layers: no layer twice (on CUDA, one tensor twice in a foreach kernel races)
+    update = segmented_bn._update_layers
+    monkeypatch.setattr(segmented_bn, "_update_layers",
+                        lambda entries, segments: rounds.append([id(m) for m, *_ in entries]) or update(entries, segments))
+    states = []
+    for defer in (False, True):
+        monkeypatch.setattr(SegmentedBatchNorm2d, "defer_stats", defer)
+        model = copy.deepcopy(base)
+        x = torch.randn(8, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 2 + 1
+        with batch_segments(segmentable(model), ((4, True), (4, True))):
+            model(x)
+        states.append(model.state_dict())
+    for name, v in states[0].items():
+        torch.testing.assert_close(states[1][name], v, atol=1e-12, rtol=1e-10, msg=name)
+    assert states[1]["bn.num_batches_tracked"].item() == 4
+    assert [len(r) for r in rounds] == [2, 1] and all(len(set(r)) == len(r) for r in rounds)

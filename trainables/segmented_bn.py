@@ -182,14 +182,26 @@ def batch_segments(bns: Sequence[SegmentedBatchNorm2d], segments: Segments) -> I
 
 @torch.no_grad()
 def _update_deferred(segments: Segments) -> None:
-    """The running statistics and batch counts the deferred one-pass calls left: for each segment that updates,
-    in order, every layer's running mean and (unbiased) variance moved toward its statistics by its momentum,
-    as the layers would have one by one; a few foreach kernels for all of them."""
-    if not _DEFERRED:
-        return
-    layers = [m for m, *_ in _DEFERRED]
+    """The running statistics and batch counts the deferred one-pass calls left, as the layers would have updated
+    them call by call: a layer called twice (a shared module) updates in a second round, after the first."""
+    rounds: list[list[tuple]] = []
+    calls: dict[int, int] = {}
+    for entry in _DEFERRED:
+        k = calls[id(entry[0])] = calls.get(id(entry[0]), -1) + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(entry)
+    for entries in rounds:
+        _update_layers(entries, segments)
+
+
+def _update_layers(entries: list[tuple], segments: Segments) -> None:
+    """For each segment that updates, in order, every layer's running mean and (unbiased) variance moved toward
+    that segment's statistics by the layer's momentum, and each batch count up by the number of segments: a few
+    foreach kernels for all the layers (each at most once in ``entries``)."""
+    layers = [m for m, *_ in entries]
     torch._foreach_add_([m.num_batches_tracked for m in layers], len(segments))
-    unbiased = torch._foreach_mul([v for _, _, v, _ in _DEFERRED], [f for *_, f in _DEFERRED])
+    unbiased = torch._foreach_mul([v for _, _, v, _ in entries], [f for *_, f in entries])
     running = [m.running_mean for m in layers] + [m.running_var for m in layers]
     by_momentum: dict[float, list[int]] = {}
     for j, m in enumerate(layers):
@@ -197,7 +209,7 @@ def _update_deferred(segments: Segments) -> None:
     for i, (_, update) in enumerate(segments):
         if not update:
             continue
-        stats = [mean[i].to(m.running_mean.dtype) for m, mean, _, _ in _DEFERRED] + \
+        stats = [mean[i].to(m.running_mean.dtype) for m, mean, _, _ in entries] + \
                 [v[i].to(m.running_var.dtype) for m, v in zip(layers, unbiased)]
         for momentum, js in by_momentum.items():
             picks = js + [len(layers) + j for j in js]
