@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.wgrad_stream import format_of, on_side
+from trainables.wgrad_stream import format_of, on_side, switched_class
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
@@ -158,7 +158,7 @@ class TritonConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` (3x3, stride 1, padding 1) computed by ``cowtune::conv3x3``, its bias (if any) added after
     it. Under autocast the input is cast as autocast casts a convolution's, and the weight and bias to the input's
     dtype; their gradients come back in their own dtype. A subclass of ``nn.Conv2d`` (the models' ``SameConv2d``
-    at stride 1) is switched to a subclass of both (``triton_class``), keeping its other methods."""
+    at stride 1) is switched to a subclass of both (``wgrad_stream.switched_class``)."""
 
     # also switch convolutions with a bias and the models' SameConv2d layers at stride 1 (in the shake-shake WRN-26:
     # its stem, and its first block's 16 -> 96 convolutions, which then run one by one, not stacked; H200: 28.5 ->
@@ -170,16 +170,6 @@ class TritonConv2d(nn.Conv2d):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         y = torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
-
-
-_CLASSES: dict[type, type] = {nn.Conv2d: TritonConv2d}
-
-
-def triton_class(cls: type) -> type:
-    """``TritonConv2d`` for ``nn.Conv2d``; for a subclass of it, one subclass of both (made once)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Triton{cls.__name__}", (TritonConv2d, cls), {"__module__": __name__})
-    return _CLASSES[cls]
 
 
 def _plain_convolution(m: nn.Module) -> bool:
@@ -232,6 +222,6 @@ def use_triton_convs(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         if eligible(m):
-            m.__class__ = triton_class(type(m))
+            m.__class__ = switched_class(TritonConv2d, type(m))
             count += 1
     return count

@@ -168,7 +168,7 @@ conv2d.register_autograd(_backward, setup_context=_setup_context)
 class StreamConv2d(nn.Conv2d):
     """An ``nn.Conv2d`` without bias computed by ``cowtune::conv2d`` (the same kernels, its weight gradient on the
     side stream when that is on). A subclass of ``nn.Conv2d`` that keeps its convolution (TF "same" padding's,
-    say) is switched to a subclass of both (``stream_class``)."""
+    say) is switched to a subclass of both (``switched_class``)."""
 
     def _conv_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if bias is not None:
@@ -178,14 +178,19 @@ class StreamConv2d(nn.Conv2d):
         return torch.ops.cowtune.conv2d(x, weight, weight.to(x.dtype), list(self.stride), list(self.padding))
 
 
-_CLASSES: dict[type, type] = {nn.Conv2d: StreamConv2d}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def stream_class(cls: type) -> type:
-    """``StreamConv2d`` for ``nn.Conv2d``; for a subclass of it, one subclass of both (made once)."""
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Stream{cls.__name__}", (StreamConv2d, cls), {"__module__": __name__})
-    return _CLASSES[cls]
+def switched_class(switch: type, cls: type) -> type:
+    """The class a layer of class ``cls`` is switched to: ``switch`` (a subclass of ``nn.Conv2d``: ``StreamConv2d``,
+    ``fast_conv.TritonConv2d``) for ``nn.Conv2d`` itself; for a subclass of it, one subclass of both (made once,
+    named e.g. StreamSameConv2d), which keeps the subclass's other methods."""
+    if cls is nn.Conv2d:
+        return switch
+    if (switch, cls) not in _CLASSES:
+        name = switch.__name__.removesuffix("Conv2d") + cls.__name__
+        _CLASSES[switch, cls] = type(name, (switch, cls), {"__module__": switch.__module__})
+    return _CLASSES[switch, cls]
 
 
 def stream_eligible(m: nn.Module) -> bool:
@@ -210,7 +215,7 @@ def use_stream_convs(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         if stream_eligible(m):
-            m.__class__ = stream_class(type(m))
+            m.__class__ = switched_class(StreamConv2d, type(m))
             count += 1
     return count
 
