@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables.fast_conv import TritonConv2d, apply_conv_kernels, eligible, use_triton_convs
+from trainables.fast_conv import TritonConv2d, apply_conv_kernels, computes_on_rows, eligible, use_triton_convs
 from trainables.models import BnFedConv2d, SameConv2d, create_model
 
 
@@ -157,6 +157,19 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
                                                          [False, True, False])[1]
         assert dx.numel() == 0 and dw.stride() == w3.stride()
         torch.testing.assert_close(dw, expect_dw3, rtol=1e-4, atol=1e-4)
+        # the shake-shake WRN-26's 16 -> 96 shape: output-channel tiles of 32 (three of them), its input gradient on
+        # the cuDNN path (the table has no entry for it)
+        x16 = torch.randn(2, 16, 4, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        w16 = (torch.randn(96, 16, 3, 3, generator=g) / 12).contiguous(memory_format=torch.channels_last)
+        dy16 = torch.randn(2, 96, 4, 8, generator=g)
+        monkeypatch.setattr(module, "CONFIGS", {(op, 0, 16, 96, 4, 8): {"BM": 16, "BN": 32} for op in ("fprop", "wgrad")})
+        torch.testing.assert_close(fast_conv._conv3x3_cuda(x16, w16, w16), F.conv2d(x16, w16, padding=1),
+                                   rtol=1e-4, atol=1e-4)
+        dx, dw = fast_conv._conv3x3_backward_cuda(dy16, x16, w16, w16, True)
+        expect_dx16, expect_dw16, _ = torch.ops.aten.convolution_backward(dy16, x16, w16, None, [1, 1], [1, 1], [1, 1],
+                                                                          False, [0, 0], 1, [True, True, False])
+        torch.testing.assert_close(dx, expect_dx16, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dw, expect_dw16, rtol=1e-4, atol=1e-4)
     finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
         if before is None:
             del sys.modules["trainables.conv_rows"]
@@ -190,7 +203,7 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}
 
 
-def test_switch_takes_biased_and_same_padded_layers():
+def test_switch_takes_biased_and_same_padded_layers(monkeypatch):
     """WRN-28-2's 23 layers; the shake-shake WRN-26's stem (with a bias) and its first block's three 16 -> 96
     convolutions (``SameConv2d`` at stride 1), which keep their own methods; narrowed (for A/B timings), neither."""
     assert use_triton_convs(create_model("wrn28_2", 10)) == 23
@@ -205,23 +218,30 @@ def test_switch_takes_biased_and_same_padded_layers():
     assert model.stem.bias is not None and sum(isinstance(m, TritonConv2d) for m in model.modules()) == 4
     assert eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
     assert not eligible(SameConv2d(16, 32, 3, 2)) and not eligible(model.stem)   # stride 2; switched already
-    narrowed = create_model("wrn26_6_shakeshake", 10)
-    TritonConv2d.same_and_biased = False
-    try:
-        assert use_triton_convs(narrowed) == 0 and not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
-    finally:
-        TritonConv2d.same_and_biased = True
+    assert not computes_on_rows(model.stem, torch.randn(2, 3, 32, 32))   # a CPU input: PyTorch's convolution
+    assert not computes_on_rows(SameConv2d(16, 32, 3), torch.randn(2, 16, 32, 32))   # not switched
+
+    class OwnForward(SameConv2d):   # a subclass with a forward of its own: not replaced
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    assert not eligible(OwnForward(16, 32, 3))
+    monkeypatch.setattr(TritonConv2d, "same_and_biased", False)
+    assert use_triton_convs(create_model("wrn26_6_shakeshake", 10)) == 0
+    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval-folded"])
-@pytest.mark.parametrize("rows", [False, True], ids=["stacked-first-convs", "first-convs-one-by-one"])
-def test_switched_shakeshake_computes_the_same(train, rows, monkeypatch):
-    """The shake-shake WRN-26 switched against the unswitched model, float64, forward and
-    backward; ``rows``: the first block's first convolutions one by one, as where the row kernels compute them
-    (on a GPU; here the operator runs PyTorch's convolution)."""
+@pytest.mark.parametrize("train, folded, rows", [(True, False, False), (True, False, True), (False, True, False),
+                                                 (False, False, True)],
+                         ids=["train-stacked", "train-one-by-one", "eval-folded", "eval-unfolded-one-by-one"])
+def test_switched_shakeshake_computes_the_same(train, folded, rows, monkeypatch):
+    """The shake-shake WRN-26 switched against the unswitched model, float64, forward (and backward in training);
+    ``rows``: the first block's first convolutions one by one, as where the row kernels compute them (on a GPU; here
+    the operator runs PyTorch's convolution); ``folded``: eval mode's batch norms folded (stacked there always)."""
     from trainables import models
 
     monkeypatch.setattr(models, "computes_on_rows", lambda conv, x: rows and isinstance(conv, TritonConv2d))
+    monkeypatch.setattr(models.ShakeShakeBlock, "fold_eval_bn", folded)
     torch.manual_seed(0)
     a = create_model("wrn26_6_shakeshake", 10).double().train(train)
     b = copy.deepcopy(a)

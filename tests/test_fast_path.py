@@ -225,7 +225,25 @@ def test_deferred_running_statistics_are_the_layers_own(compiled, monkeypatch):
     for name, v in states[0].items():
         torch.testing.assert_close(states[1][name], v, **tol, msg=name)
     assert all(m.num_batches_tracked.item() == 6 for m in segmentable(models[True]))
-    assert not segmented_bn._DEFERRED
+
+
+def test_a_failed_stacked_call_leaves_the_running_statistics_and_cannot_nest(monkeypatch):
+    """A call that raises part-way updates no running statistics (the deferred ones are dropped with it), and the
+    next call starts clean; a stacked call inside another is refused."""
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+    model = convert_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Flatten(), torch.nn.Linear(5, 2)))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError):   # the batch norm runs, then the linear layer meets the wrong width
+        with batch_segments(segmentable(model), ((2, True), (2, True))):
+            model(torch.randn(4, 3, 2, 2))
+    for name, v in model.state_dict().items():
+        assert torch.equal(v, before[name]), name
+    with batch_segments(segmentable(model), ((2, True), (2, True))):
+        model[0](torch.randn(4, 3, 2, 2))
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with batch_segments(segmentable(model), ((4, True),)):
+                pass
+    assert model[0].num_batches_tracked.item() == 2 and not model[0].running_mean.equal(before["0.running_mean"])
 
 
 def test_deferred_running_statistics_of_a_layer_called_twice(monkeypatch):

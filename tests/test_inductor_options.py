@@ -157,3 +157,13 @@ def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
 
     switches = {name for name, value in vars(SegmentedBatchNorm2d).items() if isinstance(value, bool)}
     assert switches - {"one_pass_eager"} == set(SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES)
+
+
+def test_every_switch_of_the_row_kernels_layer_is_in_the_compile_key():
+    """As above, for the row kernels' switch (it decides which layers run the operator, and whether a shake-shake
+    block's first convolutions are stacked)."""
+    from trainables.fast_conv import TritonConv2d
+    from trainables.step import GRAPH_SWITCH_OWNERS
+
+    switches = {name for name, value in vars(TritonConv2d).items() if isinstance(value, bool)}
+    assert switches == set(TritonConv2d.COMPILE_KEY_SWITCHES) and TritonConv2d in GRAPH_SWITCH_OWNERS

@@ -242,7 +242,8 @@ DEFAULT_WGRAD = {"BM": 64, "SEGS": 1, "num_warps": 4, "num_stages": 2}
 
 # The configuration the training step uses per op ("fprop", "dgrad", "wgrad") and convolution
 # shape, keyed (op, N, C, K, H, W) with the layer's own C -> K (N = 0: any batch); ops and shapes
-# not listed run cuDNN. Chosen from benchmarks/conv_rows_bench.py sweeps on an H100 (sm90) and
+# not listed run cuDNN. Chosen from benchmarks/conv_rows_bench.py sweeps on an H100 (the shake-shake entries: an
+# H200; both sm90) and
 # used on GPUs of compute capability 9.x only (``fast_conv.apply_conv_kernels``).
 CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     # Chosen in a sweep on an H100, 2026-11-27, with the weight packed beforehand
@@ -273,7 +274,8 @@ CONFIGS: dict[tuple[str, int, int, int, int, int], dict[str, int]] = {
     # (*) with the partial sums added by _sum_partials_kernel, swept again (...-conv-rows-stem-wgrad-resweep.json;
     # 40.1 with torch's sum)
     # The shake-shake WRN-26's first block: each branch's first convolution and the shortcut, 16 -> 96 at 32x32,
-    # swept on an H200 on 2026-11-28 (benchmarks/results/2026-11-28-h200-conv-rows-shakeshake-first-block.json):
+    # swept at N=512 (the student's stacked call; the folded teacher does not run them) on an H200 on 2026-11-28
+    # (benchmarks/results/2026-11-28-h200-conv-rows-shakeshake-first-block.json):
     ("fprop", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 3},   # 70.2 / 120.3
     ("wgrad", 0, 16, 96, 32, 32): {"BM": 128, "SEGS": 1, "BN": 32, "num_warps": 4, "num_stages": 1},   # 90.2 / 151.2
     # (Its input gradient stays cuDNN's: the forward kernel on dy's 96 channels, padded to 128 in a trial build, took

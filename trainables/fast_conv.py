@@ -160,10 +160,13 @@ class TritonConv2d(nn.Conv2d):
     dtype; their gradients come back in their own dtype. A subclass of ``nn.Conv2d`` (the models' ``SameConv2d``
     at stride 1) is switched to a subclass of both (``wgrad_stream.switched_class``)."""
 
-    # also switch convolutions with a bias and the models' SameConv2d layers at stride 1 (in the shake-shake WRN-26:
-    # its stem, and its first block's 16 -> 96 convolutions, which then run one by one, not stacked; H200: 28.5 ->
-    # 28.7 steps/s, docs/performance.md); off: nn.Conv2d without bias only (for A/B timings); read when switching
+    # also switch convolutions with a bias and the models' SameConv2d layers at stride 1: in the shake-shake WRN-26
+    # 96x2d its stem and its first block's 16 -> 96 convolutions, which then run one by one, not stacked (H200: 28.5 ->
+    # 28.7 steps/s, docs/performance.md); in the 2x32d model, the stem and every stride-1 layer (32-128 channels:
+    # the WRN-28-2 kernels' shapes; not measured in its step); off: nn.Conv2d without bias only (for A/B timings);
+    # read when switching
     same_and_biased = True
+    COMPILE_KEY_SWITCHES = ("same_and_biased",)   # those that change a compiled graph (trainables.step)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -173,12 +176,17 @@ class TritonConv2d(nn.Conv2d):
 
 
 def _plain_convolution(m: nn.Module) -> bool:
-    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.same_and_biased``, with a bias too, and a subclass whose
-    forward is its plain convolution: the models' ``SameConv2d`` at stride 1 (``dynamic_pad`` False: its "SAME"
-    padding is the symmetric ``padding``)."""
+    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.same_and_biased``, with a bias too, and the models'
+    ``SameConv2d`` (or a subclass that keeps its forward and convolution) at stride 1, whose "SAME" padding is then
+    the symmetric ``padding`` (``dynamic_pad`` False)."""
+    if type(m) is nn.Conv2d:
+        return m.bias is None or TritonConv2d.same_and_biased
     if not TritonConv2d.same_and_biased:
-        return type(m) is nn.Conv2d and m.bias is None
-    return type(m) is nn.Conv2d or (isinstance(m, nn.Conv2d) and getattr(m, "dynamic_pad", None) is False)
+        return False
+    from trainables.models import SameConv2d   # here: the models import this module
+
+    return (isinstance(m, SameConv2d) and not m.dynamic_pad and type(m).forward is SameConv2d.forward
+            and type(m)._conv_forward is nn.Conv2d._conv_forward)
 
 
 def eligible(m: nn.Module) -> bool:

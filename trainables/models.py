@@ -232,8 +232,9 @@ class ShakeShakeBlock(nn.Module):
     """Two-branch shake-shake block (Gastaldi, arXiv:1705.07485) as in arXiv:2003.12022 §6.1."""
 
     # switches for A/B timings (benchmarks/step_ab.py), on by default:
-    one_first_conv = True       # both branches' first convolutions (same input) as one of twice the width;
-                                # read at each forward (once, when compiled or captured)
+    one_first_conv = True       # both branches' first convolutions (same input) as one of twice the width, where
+                                # our row kernels do not compute them (``branches``); read at each forward (once,
+                                # when compiled or captured)
     bias_free_bn_convs = True   # convolutions feeding a batch norm built without bias; read when built
     fold_eval_bn = True         # eval mode: each batch norm folded into the convolution before it (``folded``);
                                 # read at each forward (once, when compiled or captured)
@@ -289,7 +290,7 @@ class ShakeShakeBlock(nn.Module):
 
     def folded(self, x: torch.Tensor) -> torch.Tensor:
         """The eval-mode forward with each batch norm folded into the convolution before it: the same function up
-        to rounding, with fewer passes over the activations. The first convolutions run stacked (``branches``),
+        to rounding, with fewer passes over the activations. The first convolutions always run stacked here,
         their batch norms as a bias and ReLU in the convolution's own epilogue (``conv_bias_relu``, where no gradient
         is wanted); the second ones run as one convolution over both branches' channels, whose weights, halved,
         also take the average 0.5 * (a + b)."""

@@ -168,6 +168,8 @@ _DEFERRED: list[tuple[SegmentedBatchNorm2d, torch.Tensor, torch.Tensor, float]] 
 
 @contextlib.contextmanager
 def batch_segments(bns: Sequence[SegmentedBatchNorm2d], segments: Segments) -> Iterator[None]:
+    if any(m.segments is not None for m in bns):
+        raise RuntimeError("batch_segments cannot be nested: these batch norms are inside a stacked call already")
     _DEFERRED.clear()
     for m in bns:
         m.segments = segments

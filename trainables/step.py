@@ -22,6 +22,7 @@ from trainables.compile_lock import first_compile_lock, operators_version, step_
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
+from trainables.fast_conv import TritonConv2d
 from trainables.models import ShakeShakeBlock
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable
 from trainables.split_update import split_update
@@ -53,7 +54,7 @@ COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
 
 # Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key.
-GRAPH_SWITCH_OWNERS = (ShakeShakeBlock, SegmentedBatchNorm2d)
+GRAPH_SWITCH_OWNERS = (ShakeShakeBlock, SegmentedBatchNorm2d, TritonConv2d)
 
 
 def realize_reads_wanted(cfg: TrainConfig) -> int | None:
