@@ -199,6 +199,7 @@ class StepRunner:
 
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
     update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
+    extra_inductor_options: dict[str, object] = {}   # added to both models' options (experiments: A/B runs)
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
@@ -246,6 +247,8 @@ class StepRunner:
         if reads is not None:
             for options in self.inductor_options.values():
                 options["realize_reads_threshold"] = reads
+        for options in self.inductor_options.values():
+            options.update(self.extra_inductor_options)
         self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
         if self.tuned:
             for options in self.inductor_options.values():
