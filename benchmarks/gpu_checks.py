@@ -271,6 +271,17 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
     return worst == 0.0
 
 
+def check_dependent_launch(steps: int = 6, model: str = "wrn28_2") -> bool:
+    """The same compiled, CUDA-graphed, deterministic steps with the models' Inductor kernels launched with and
+    without programmatic dependent launch (train.dependent_launch): the kernels are the same, only where each waits
+    for the one before it differs, so a kernel that read or overwrote a buffer before its predecessor was done
+    would show as a difference. Bit for bit."""
+    batches = step_batches(steps, "cuda")
+    states = {on: trained_weights(config(model, compile=True, deterministic=True, dependent_launch=on), batches)
+              for on in (False, True)}
+    return compare(f"dependent launch on vs off, after {steps} steps", states[False], states[True]) == 0.0
+
+
 def check_folded_teacher() -> bool:
     """``cowtune::conv_bias_relu`` against ``F.relu(F.conv2d)`` (values, and the output strides its fake
     promises) for stride 1 and stride 2 (SAME-padded as the model does: padding 0), NHWC and NCHW, float32 and
@@ -438,6 +449,8 @@ def main() -> int:
               "step_sync": check_step_sync,
               "step_sync_shakeshake": lambda: check_step_sync(model="wrn26_2_shakeshake"),
               "folded_teacher": check_folded_teacher,
+              "dependent_launch": check_dependent_launch,
+              "dependent_launch_shakeshake": lambda: check_dependent_launch(model="wrn26_2_shakeshake"),
               "stored_grad_shakeshake": check_stored_grad}
     only = sys.argv[1:] or list(checks)
     results = {name: checks[name]() for name in only}

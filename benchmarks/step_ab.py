@@ -45,10 +45,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     inline-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated in small
             kernels of their own inside the stacked student call (SegmentedBatchNorm2d.defer_stats false) instead
             of after it in a few foreach kernels
-    pdl  as wgrad-stream, with the models' Inductor kernels launched with programmatic dependent launch
-            (Inductor's triton.enable_pdl: a kernel's blocks start while the one before it finishes)
-    coop-reductions  as wgrad-stream, with Inductor's cooperative reductions (triton.cooperative_reductions: a
-            reduction of few outputs split over blocks that synchronise, instead of split into several kernels)
+    pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
+            dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -90,11 +88,10 @@ READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", "pdl",
-            "coop-reductions", *READS)
+            "no-pdl", *READS)
 STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
-# variants that add Inductor options to both models' (StepRunner.extra_inductor_options)
-OPTIONS = {"pdl": {"triton.enable_pdl": True}, "coop-reductions": {"triton.cooperative_reductions": True}}
+DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
 SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRunner, "update_in_parts"),),
             "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
@@ -131,15 +128,9 @@ def switched_off(switches: tuple[tuple[type, str], ...] = ()):
 @contextlib.contextmanager
 def variant_switched(variant: str | None):
     """Within: the class switches ``variant`` changes set as it asks (those in ``SWITCHES`` off, those in
-    ``SWITCHED_ON`` on) and its Inductor options (``OPTIONS``) added; restored on leaving. A variant without
-    either (or None) changes nothing."""
-    saved = StepRunner.extra_inductor_options
-    StepRunner.extra_inductor_options = OPTIONS.get(variant, {})
-    try:
-        with switched_off(SWITCHES.get(variant, ())), switched(SWITCHED_ON.get(variant, ()), on=True):
-            yield
-    finally:
-        StepRunner.extra_inductor_options = saved
+    ``SWITCHED_ON`` on); restored on leaving. A variant without class switches (or None) changes nothing."""
+    with switched_off(SWITCHES.get(variant, ())), switched(SWITCHED_ON.get(variant, ()), on=True):
+        yield
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -212,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=READS.get(v),
+                          dependent_launch=DEPENDENT_LAUNCH.get(v),
                           cuda_graph="step" if device.type == "cuda" else "none")
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))

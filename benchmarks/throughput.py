@@ -57,7 +57,8 @@ def make_config(model: str, method: str, batch: int, device: str, fast: bool, co
                 compile_mode: str = "reduce-overhead", cuda_graph: str = "step", stack: bool = True,
                 conv_kernels: str = "triton", wgrad_stream: bool = True,
                 combo_kernels: bool | None = None, compile_masks_and_losses: bool = True,
-                tune_kernels: bool | None = None, realize_reads_threshold: int | None = None) -> TrainConfig:
+                tune_kernels: bool | None = None, realize_reads_threshold: int | None = None,
+                dependent_launch: bool | None = None) -> TrainConfig:
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
@@ -66,7 +67,8 @@ def make_config(model: str, method: str, batch: int, device: str, fast: bool, co
                   "cuda_graph": cuda_graph if fast else "none", "stack_student_calls": fast and stack,
                   "conv_kernels": conv_kernels if fast else "cudnn", "wgrad_stream": fast and wgrad_stream,
                   "combo_kernels": combo_kernels, "compile_masks_and_losses": compile_masks_and_losses,
-                  "tune_kernels": tune_kernels, "realize_reads_threshold": realize_reads_threshold},
+                  "tune_kernels": tune_kernels, "realize_reads_threshold": realize_reads_threshold,
+                  "dependent_launch": dependent_launch},
     })
 
 

@@ -33,6 +33,29 @@ def test_options_on_a_gpu_and_on_the_cpu():
     assert stream["max_autotune"] is True   # the mode's own options are kept
 
 
+def test_dependent_launch_by_model_and_by_config():
+    """Programmatic dependent launch (Inductor's triton.enable_pdl) where it was measured to pay, WRN-28-2; not the
+    shake-shake model, where it measured slower; ``train.dependent_launch`` overrides either, a bad one is refused;
+    on a GPU it is an option of the models' own compile (so in the first-compile key), on the CPU absent."""
+    import torch._inductor.config as inductor
+
+    from trainables.step import DEPENDENT_LAUNCH_MODELS, dependent_launch_wanted
+
+    def with_pdl(model: str, on=None) -> TrainConfig:
+        return TrainConfig.from_dict({"model": model, "train": {"dependent_launch": on}})
+
+    assert dependent_launch_wanted(with_pdl("wrn28_2")) and "wrn28_2" in DEPENDENT_LAUNCH_MODELS
+    assert not dependent_launch_wanted(with_pdl("wrn26_6_shakeshake"))
+    assert not dependent_launch_wanted(with_pdl("wrn28_2", False))
+    assert dependent_launch_wanted(with_pdl("wrn26_6_shakeshake", True))
+    with pytest.raises(ConfigError, match="dependent_launch"):
+        with_pdl("wrn28_2", 1)
+    assert inductor_options("default", CUDA, False, dependent_launch=True)["triton.enable_pdl"] is True
+    assert inductor_options("default", CUDA, False)["triton.enable_pdl"] is False
+    assert "triton.enable_pdl" not in inductor_options("default", CPU, False, dependent_launch=True)
+    assert isinstance(inductor.triton.enable_pdl, bool)   # the option's name in the installed PyTorch
+
+
 def test_a_combo_setting_that_is_not_a_bool_is_refused():
     with pytest.raises(ConfigError, match="combo_kernels"):
         cfg("wrn28_2", "yes")

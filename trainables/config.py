@@ -140,6 +140,11 @@ class TrainSettings:
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)
+    dependent_launch: bool | None = None  # cuda, compiled: the models' Inductor kernels launched with programmatic
+                                      # dependent launch (Hopper or newer: a kernel's blocks start while the
+                                      # one before it finishes; Inductor's triton.enable_pdl); None: for the
+                                      # models where it was measured to pay
+                                      # (trainables.step.DEPENDENT_LAUNCH_MODELS)
     realize_reads_threshold: int | None = None  # compiled: Inductor's realize_reads_threshold for the student and
                                       # teacher (a result several kernels read is recomputed in each while it
                                       # reads at most this many buffers, else stored); None: the model's entry

@@ -41,6 +41,14 @@ from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 # not looked into), so it stays off there.
 COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 
+# The models whose Inductor kernels launch with programmatic dependent launch (Inductor's triton.enable_pdl, used on
+# Hopper or newer GPUs) unless train.dependent_launch says otherwise: each kernel waits for the one before it inside
+# the kernel (griddepcontrol) instead of at its launch, so its blocks start while the previous kernel's last blocks
+# finish. Measured in the captured CowMix step (benchmarks/step_ab.py --untuned --variants wgrad-stream,pdl, one
+# process, H200, 2026-11-28): WRN-28-2 218.1 -> 220.8 steps/s (every round); the shake-shake WRN-26 28.7 -> 28.5
+# (every round), so it stays off there.
+DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
+
 # Inductor's realize_reads_threshold for a model's student and teacher where it differs from the 8 the trainer sets
 # for every compile (below: bn_relu's masked gradient in WRN-28-2); train.realize_reads_threshold overrides it.
 # Inductor recomputes a pointwise result that several kernels read, instead of storing it, while it reads at most
@@ -70,6 +78,13 @@ def combo_kernels_wanted(cfg: TrainConfig) -> bool:
     return cfg.train.combo_kernels if cfg.train.combo_kernels is not None else cfg.model in COMBO_KERNEL_MODELS
 
 
+def dependent_launch_wanted(cfg: TrainConfig) -> bool:
+    """``train.dependent_launch``, or where it is None, whether the model is one it was measured to pay for."""
+    if cfg.train.dependent_launch is not None:
+        return cfg.train.dependent_launch
+    return cfg.model in DEPENDENT_LAUNCH_MODELS
+
+
 # What train.tune_kernels None means in this process: on, except where a search runs its trials (its trial
 # workers and its compile-ahead process turn it off with ``tune_kernels_by_default``)
 _TUNE_BY_DEFAULT = True
@@ -96,15 +111,17 @@ def tune_kernels_wanted(cfg: TrainConfig) -> bool:
     return _TUNE_BY_DEFAULT and not cfg.train.deterministic
 
 
-def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream: bool = False) -> dict[str, object]:
+def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream: bool = False,
+                     dependent_launch: bool = False) -> dict[str, object]:
     """The options a model is compiled with (options of its own torch.compile call, so that Dynamo compiles it
     afresh rather than reusing code compiled under other options, as a global Inductor setting would):
-    ``mode``'s; on a GPU, ``combo`` kernels or not; and, for a student whose weight gradients run on a side
-    stream (trainables.wgrad_stream), no reuse of a buffer, nor writing into one in place, that the side
-    stream may still be reading."""
+    ``mode``'s; on a GPU, ``combo`` kernels or not, and programmatic ``dependent_launch`` or not; and, for a
+    student whose weight gradients run on a side stream (trainables.wgrad_stream), no reuse of a buffer, nor
+    writing into one in place, that the side stream may still be reading."""
     from torch._inductor import list_mode_options
 
-    return {**list_mode_options(mode), **({"combo_kernels": combo} if device.type == "cuda" else {}),
+    gpu = {"combo_kernels": combo, "triton.enable_pdl": dependent_launch} if device.type == "cuda" else {}
+    return {**list_mode_options(mode), **gpu,
             **({"allow_buffer_reuse": False, "inplace_buffers": False} if wgrad_stream else {})}
 
 
@@ -199,7 +216,6 @@ class StepRunner:
 
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
     update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
-    extra_inductor_options: dict[str, object] = {}   # added to both models' options (experiments: A/B runs)
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
@@ -241,14 +257,14 @@ class StepRunner:
             allow_custom_functions_in_compile_cache()
             register_store_lowering()
         combo = combo_kernels_wanted(cfg)
-        self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream)
+        pdl = dependent_launch_wanted(cfg)
+        self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream,
+                                                        pdl)
                                  for name in ("student", "teacher")} if compiled else {}
         reads = realize_reads_wanted(cfg)
         if reads is not None:
             for options in self.inductor_options.values():
                 options["realize_reads_threshold"] = reads
-        for options in self.inductor_options.values():
-            options.update(self.extra_inductor_options)
         self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
         if self.tuned:
             for options in self.inductor_options.values():
