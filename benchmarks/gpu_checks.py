@@ -275,10 +275,17 @@ def check_dependent_launch(steps: int = 6, model: str = "wrn28_2") -> bool:
     """The same compiled, CUDA-graphed, deterministic steps with the models' Inductor kernels launched with and
     without programmatic dependent launch (train.dependent_launch): the kernels are the same, only where each waits
     for the one before it differs, so a kernel that read or overwrote a buffer before its predecessor was done
-    would show as a difference. Bit for bit."""
+    would show as a difference. Bit for bit; both compiled under Inductor's deterministic mode, where it has one (it
+    then chooses each reduction's block sizes without timing them: two compiles that timed them could choose
+    differently, and their sums would differ in the last bits; the first version of this check ran without it, and
+    the shake-shake WRN-26 2x32d's weights came out 2.9e-6 apart)."""
+    import torch._inductor.config as inductor
+
     batches = step_batches(steps, "cuda")
-    states = {on: trained_weights(config(model, compile=True, deterministic=True, dependent_launch=on), batches)
-              for on in (False, True)}
+    untimed = {"deterministic": True} if hasattr(inductor, "deterministic") else {}
+    with inductor.patch(**untimed):
+        states = {on: trained_weights(config(model, compile=True, deterministic=True, dependent_launch=on), batches)
+                  for on in (False, True)}
     return compare(f"dependent launch on vs off, after {steps} steps", states[False], states[True]) == 0.0
 
 
