@@ -40,7 +40,8 @@ CHECKPOINT = "checkpoint.pt"
 # not bit for bit).
 RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
                "train.stack_student_calls", "train.gpu_turns", "train.conv_kernels", "train.wgrad_stream",
-               "train.combo_kernels", "train.dependent_launch", "train.tune_kernels", "train.compile_masks_and_losses", "train.eval_batch_size",
+               "train.combo_kernels", "train.dependent_launch", "train.tune_kernels", "train.compile_masks_and_losses",
+               "train.eval_batch_size",
                "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
