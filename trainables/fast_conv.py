@@ -50,12 +50,16 @@ def conv3x3(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
 _FELL_BACK: set[tuple] = set()   # (op, N, C, K, H, W) whose row kernel cannot run on this GPU
 
 
-def _table_config(op: str, x_shape, c: int, k: int) -> dict[str, int] | None:
-    """The row kernels' table configuration for ``op`` of this C -> K layer on an input of ``x_shape``, or None
-    where cuDNN computes it: the table has no entry, or the kernel could not run on this GPU."""
+def _key(op: str, x_shape, c: int, k: int) -> tuple[str, int, int, int, int, int]:
+    """(op, N, C, K, H, W) of ``op`` of a C -> K layer on an input of ``x_shape``."""
+    return op, x_shape[0], c, k, x_shape[2], x_shape[3]
+
+
+def _table_config(key: tuple[str, int, int, int, int, int]) -> dict[str, int] | None:
+    """The row kernels' table configuration for ``key`` (``_key``), or None where cuDNN computes it: the table has
+    no entry, or the kernel could not run on this GPU."""
     from trainables import conv_rows
 
-    key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
     return None if key in _FELL_BACK else conv_rows.tuned_config(*key)
 
 
@@ -64,10 +68,10 @@ def _rows(op: str, x_shape, c: int, k: int, run) -> Tensor | None:
     kernel cannot run on this GPU: not enough shared memory, say; warned once, cuDNN from then on)."""
     from triton.runtime.errors import OutOfResources
 
-    cfg = _table_config(op, x_shape, c, k)
+    key = _key(op, x_shape, c, k)
+    cfg = _table_config(key)
     if cfg is None:
         return None
-    key = (op, x_shape[0], c, k, x_shape[2], x_shape[3])
     try:
         return run(cfg)
     except OutOfResources as e:
@@ -208,7 +212,7 @@ def computes_on_rows(conv: nn.Module, x: Tensor) -> bool:
     """Whether ``conv``'s forward on ``x`` runs a row kernel: a switched layer, on CUDA, whose shape the kernels'
     table holds (else cuDNN's, through the same operator)."""
     return (isinstance(conv, TritonConv2d) and x.device.type == "cuda"
-            and _table_config("fprop", x.shape, x.shape[1], conv.out_channels) is not None)
+            and _table_config(_key("fprop", x.shape, x.shape[1], conv.out_channels)) is not None)
 
 
 def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
