@@ -47,6 +47,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             of after it in a few foreach kernels
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
             dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
+    inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
+            options as well (``torch._inductor.config`` names, values as Python literals), for trying one of
+            Inductor's settings before it becomes a field: ``inductor:aggressive_fusion=True``
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -60,6 +63,7 @@ Prints steps/s per variant and round, and the median per variant.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import json
@@ -80,6 +84,7 @@ from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast_conv import TritonConv2d  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
+from trainables import step as step_module  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
@@ -89,7 +94,7 @@ VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", "pdl",
             "no-pdl", *READS)
-STREAM_VARIANTS = tuple(v for v in VARIANTS if v not in ("cudnn", "triton"))   # the trainer's defaults, and one change
+INDUCTOR_PREFIX = "inductor:"   # the trainer's defaults, and one change
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -133,6 +138,45 @@ def variant_switched(variant: str | None):
         yield
 
 
+def inductor_options_of(variant: str) -> dict[str, object]:
+    """The extra Inductor options an ``inductor:KEY=VALUE[;KEY=VALUE]`` variant names ({} for any other variant);
+    a ValueError naming the part that is not a known option with a literal value."""
+    if not variant.startswith(INDUCTOR_PREFIX):
+        return {}
+    import torch._inductor.config as inductor
+
+    options = {}
+    for part in variant[len(INDUCTOR_PREFIX):].split(";"):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ValueError(f"{variant}: {part!r} is not KEY=VALUE")
+        owner = inductor
+        for name in key.split("."):
+            if not hasattr(owner, name):
+                raise ValueError(f"{variant}: {key!r} is not an option of this PyTorch's Inductor")
+            owner = getattr(owner, name)
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{variant}: {value!r} is not a Python literal") from None
+    return options
+
+
+@contextlib.contextmanager
+def inductor_options_added(extra: dict[str, object]):
+    """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options (and so in
+    its compile key)."""
+    if not extra:
+        yield
+        return
+    plain = step_module.inductor_options
+    step_module.inductor_options = lambda *a, **k: {**plain(*a, **k), **extra}
+    try:
+        yield
+    finally:
+        step_module.inductor_options = plain
+
+
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
     """The best row configuration per (op, N, C, K, H, W) over conv_rows_bench.py JSONs, where it beat cuDNN."""
     best_of: dict[tuple[str, int, int, int, int, int], tuple[float, dict]] = {}
@@ -165,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     variants = args.variants.split(",")
     for v in variants:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+        if v not in VARIANTS and not v.startswith(INDUCTOR_PREFIX):
+            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}, {INDUCTOR_PREFIX}KEY=VALUE")
+        try:
+            inductor_options_of(v)
+        except ValueError as e:
+            p.error(str(e))
     if args.tiny:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
     shake_only = [v for v in variants
@@ -200,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         conv_rows.CONFIGS.clear()   # read when a runner's first steps run its kernels, before capture
         conv_rows.CONFIGS.update({**table, **swept} if v == "sweep" else table)
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
-                          conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v in STREAM_VARIANTS,
+                          conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v not in ("cudnn", "triton"),
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
                           tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=READS.get(v),
                           dependent_launch=DEPENDENT_LAUNCH.get(v),
@@ -209,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
-        with variant_switched(v):
+        with variant_switched(v), inductor_options_added(inductor_options_of(v)):
             runner = build_runner(cfg, len(raw.class_names), device)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture

@@ -169,10 +169,40 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
     assert "shake-experiment: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err
 
 
+def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, capsys):
+    """An ``inductor:KEY=VALUE`` variant's runner is built with those options among its models' Inductor options (and
+    in its compile key), and the others' without; a name Inductor does not know is refused before anything is built."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import step_ab
+
+    assert step_ab.inductor_options_of("inductor:aggressive_fusion=True;triton.multi_kernel=1") == \
+        {"aggressive_fusion": True, "triton.multi_kernel": 1}
+    assert step_ab.inductor_options_of("wgrad-stream") == {}
+    for bad, says in (("inductor:no_such_option=1", "'no_such_option' is not an option"),
+                      ("inductor:aggressive_fusion", "is not KEY=VALUE"),
+                      ("inductor:aggressive_fusion=maybe", "'maybe' is not a Python literal")):
+        with pytest.raises(SystemExit):
+            step_ab.main(["--device", "cpu", "--tiny", "--variants", f"wgrad-stream,{bad}"])
+        assert says in capsys.readouterr().err
+    plain = step_ab.step_module.inductor_options
+    seen = []
+    build = step_ab.build_runner
+
+    def recording_build(*a, **k):
+        seen.append(step_ab.step_module.inductor_options("default", torch.device("cuda"), False))
+        return build(*a, **k)
+
+    monkeypatch.setattr(step_ab, "build_runner", recording_build)
+    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,inductor:aggressive_fusion=True"]) == 0
+    assert "aggressive_fusion" not in seen[0] and seen[1]["aggressive_fusion"] is True
+    assert step_ab.step_module.inductor_options is plain
+
+
 def _add_experiment(monkeypatch, step_ab, name, switches):
     """``name`` a step_ab variant that turns ``switches`` on, as an experiment adds itself."""
     monkeypatch.setattr(step_ab, "VARIANTS", (*step_ab.VARIANTS, name))
-    monkeypatch.setattr(step_ab, "STREAM_VARIANTS", (*step_ab.STREAM_VARIANTS, name))
     monkeypatch.setitem(step_ab.SWITCHED_ON, name, switches)
 
 
