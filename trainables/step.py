@@ -47,8 +47,9 @@ COMBO_KERNEL_MODELS = frozenset({"wrn28_2"})
 # finish. Measured in the captured CowMix step (benchmarks/step_ab.py --untuned, one process, H200, 2026-11-28, before
 # it was on by default; now --variants no-pdl,pdl): WRN-28-2 218.1 -> 220.8 steps/s (every round); the shake-shake
 # WRN-26 28.7 -> 28.5 (every round), so it stays off there. On vs off, six deterministic WRN-28-2 steps gave the same
-# weights (gpu_checks.py dependent_launch); for the shake-shake WRN-26 2x32d they came out 2.9e-6 apart, by a race or by
-# reductions' block sizes timed differently in two compiles (not established; docs/performance.md).
+# weights (gpu_checks.py dependent_launch), and so did six of the shake-shake WRN-26 2x32d once both compiles ran under
+# Inductor's deterministic mode (dependent_launch_shakeshake, H200, 2026-11-28; without it, two compiles that time
+# reductions' block sizes had left them 2.9e-6 apart).
 DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
 
 # Inductor's realize_reads_threshold for a model's student and teacher where it differs from the 8 the trainer sets
