@@ -48,8 +48,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
             dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
     inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
-            options as well (``torch._inductor.config`` names, values as Python literals), for trying one of
-            Inductor's settings before it becomes a field: ``inductor:aggressive_fusion=True``
+            options as well, over the trainer's own (``torch._inductor.config`` names, values as Python literals
+            of the option's type, no commas), for trying one of Inductor's settings before it becomes a field:
+            ``inductor:aggressive_fusion=True``
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -84,7 +85,6 @@ from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast_conv import TritonConv2d  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.models import ShakeShakeBlock  # noqa: E402
-from trainables import step as step_module  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
@@ -94,7 +94,7 @@ VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", "pdl",
             "no-pdl", *READS)
-INDUCTOR_PREFIX = "inductor:"   # the trainer's defaults, and one change
+INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
@@ -140,41 +140,41 @@ def variant_switched(variant: str | None):
 
 def inductor_options_of(variant: str) -> dict[str, object]:
     """The extra Inductor options an ``inductor:KEY=VALUE[;KEY=VALUE]`` variant names ({} for any other variant);
-    a ValueError naming the part that is not a known option with a literal value."""
+    a ValueError naming the part that is not one of this PyTorch's Inductor options with a literal value of its type
+    (what torch.compile would refuse only when that variant's runner is built, after the ones before it)."""
     if not variant.startswith(INDUCTOR_PREFIX):
         return {}
     import torch._inductor.config as inductor
 
+    known = inductor.get_config_copy()
     options = {}
     for part in variant[len(INDUCTOR_PREFIX):].split(";"):
         key, eq, value = part.partition("=")
         if not eq:
             raise ValueError(f"{variant}: {part!r} is not KEY=VALUE")
-        owner = inductor
-        for name in key.split("."):
-            if not hasattr(owner, name):
-                raise ValueError(f"{variant}: {key!r} is not an option of this PyTorch's Inductor")
-            owner = getattr(owner, name)
+        if key not in known:
+            raise ValueError(f"{variant}: {key!r} is not an option of this PyTorch's Inductor")
         try:
             options[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise ValueError(f"{variant}: {value!r} is not a Python literal") from None
+        default = known[key]
+        if default is not None and type(options[key]) is not type(default) \
+                and not (type(default) is float and type(options[key]) is int):
+            raise ValueError(f"{variant}: {key} takes a {type(default).__name__}, not {value!r}")
     return options
 
 
 @contextlib.contextmanager
 def inductor_options_added(extra: dict[str, object]):
-    """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options (and so in
-    its compile key)."""
-    if not extra:
-        yield
-        return
-    plain = step_module.inductor_options
-    step_module.inductor_options = lambda *a, **k: {**plain(*a, **k), **extra}
+    """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options, over the
+    trainer's own (StepRunner.extra_inductor_options, and so in its compile key)."""
+    saved = StepRunner.extra_inductor_options
+    StepRunner.extra_inductor_options = dict(extra)
     try:
         yield
     finally:
-        step_module.inductor_options = plain
+        StepRunner.extra_inductor_options = saved
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:

@@ -170,9 +170,15 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
 
 
 def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, capsys):
-    """An ``inductor:KEY=VALUE`` variant's runner is built with those options among its models' Inductor options (and
-    in its compile key), and the others' without; a name Inductor does not know is refused before anything is built."""
+    """An ``inductor:KEY=VALUE`` variant's options reach its compiled runner's models over the trainer's own (here the
+    threshold the config asks for) and its compile key; after it, runners are built without them. A name or a type
+    Inductor would refuse is refused before any runner is built."""
     import torch
+    import torch._inductor.config as inductor
+
+    from trainables.config import TrainConfig
+    from trainables.data import Batch
+    from trainables.trainer import build_runner
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import step_ab
@@ -181,23 +187,32 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
         {"aggressive_fusion": True, "triton.multi_kernel": 1}
     assert step_ab.inductor_options_of("wgrad-stream") == {}
     for bad, says in (("inductor:no_such_option=1", "'no_such_option' is not an option"),
+                      ("inductor:os=1", "'os' is not an option"),   # a module attribute, not an option
                       ("inductor:aggressive_fusion", "is not KEY=VALUE"),
-                      ("inductor:aggressive_fusion=maybe", "'maybe' is not a Python literal")):
+                      ("inductor:aggressive_fusion=maybe", "'maybe' is not a Python literal"),
+                      ("inductor:aggressive_fusion=1", "aggressive_fusion takes a bool, not '1'")):
+        built = []
+        monkeypatch.setattr(step_ab, "build_runner", lambda *a, **k: built.append(a))
         with pytest.raises(SystemExit):
             step_ab.main(["--device", "cpu", "--tiny", "--variants", f"wgrad-stream,{bad}"])
-        assert says in capsys.readouterr().err
-    plain = step_ab.step_module.inductor_options
-    seen = []
-    build = step_ab.build_runner
+        assert says in capsys.readouterr().err and built == []
 
-    def recording_build(*a, **k):
-        seen.append(step_ab.step_module.inductor_options("default", torch.device("cuda"), False))
-        return build(*a, **k)
-
-    monkeypatch.setattr(step_ab, "build_runner", recording_build)
-    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,inductor:aggressive_fusion=True"]) == 0
-    assert "aggressive_fusion" not in seen[0] and seen[1]["aggressive_fusion"] is True
-    assert step_ab.step_module.inductor_options is plain
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
+    x = torch.zeros(2, 3, 32, 32)
+    batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+    with inductor.patch(realize_reads_threshold=inductor.realize_reads_threshold), \
+            torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        plain = build_runner(cfg, 10, torch.device("cpu"))
+        with step_ab.inductor_options_added({"aggressive_fusion": True, "realize_reads_threshold": 5}):
+            varied = build_runner(cfg, 10, torch.device("cpu"))
+        after = build_runner(cfg, 10, torch.device("cpu"))
+    for name in ("student", "teacher"):
+        assert varied.inductor_options[name]["aggressive_fusion"] is True
+        assert varied.inductor_options[name]["realize_reads_threshold"] == 5
+        assert "aggressive_fusion" not in plain.inductor_options[name]
+        assert plain.inductor_options[name]["realize_reads_threshold"] == 3
+    assert after.inductor_options == plain.inductor_options
+    assert varied.compile_key(batch) != plain.compile_key(batch) == after.compile_key(batch)
 
 
 def _add_experiment(monkeypatch, step_ab, name, switches):

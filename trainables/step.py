@@ -219,6 +219,9 @@ class StepRunner:
 
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
     update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
+    # Inductor options every model compiled by a runner built meanwhile gets last, over the trainer's own (and so in
+    # its compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it to try a setting
+    extra_inductor_options: dict[str, object] = {}
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
@@ -272,6 +275,8 @@ class StepRunner:
         if self.tuned:
             for options in self.inductor_options.values():
                 options["coordinate_descent_tuning"] = True
+        for options in self.inductor_options.values():
+            options.update(self.extra_inductor_options)
         self.student_forward = torch.compile(student, dynamic=False, options=self.inductor_options["student"]) \
             if compiled else student
         self.teacher_forward = torch.compile(teacher, dynamic=False, options=self.inductor_options["teacher"]) \
