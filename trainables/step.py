@@ -219,8 +219,8 @@ class StepRunner:
 
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
     update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
-    # Inductor options every model compiled by a runner built meanwhile gets last, over the trainer's own (and so in
-    # its compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it to try a setting
+    # Inductor options applied last, over the trainer's own, to the student and teacher of each runner built while it
+    # is set (and so in their compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it
     extra_inductor_options: dict[str, object] = {}
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
