@@ -31,6 +31,7 @@ from roofline import device_peaks, measure_step_cost  # noqa: E402
 
 from trainables.config import DataConfig, TrainConfig  # noqa: E402
 from trainables.data import Batch, DeviceData, RawDataset, load_raw, make_splits  # noqa: E402
+from trainables.models import MODELS  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
@@ -237,7 +238,7 @@ def search_mode(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="cuda (the default where there is a GPU) or cpu")
     p.add_argument("--models", default="wrn28_2,wrn26_6_shakeshake")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--batch", type=int, default=256)
@@ -267,6 +268,18 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, help="search mode: trials at once (default: as many as the "
                    "trainable's GPU fraction lets share a GPU)")
     args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if args.device is None:
+        if not gpu and not (args.tiny or args.packing or args.search):
+            p.error("no CUDA GPU here, and the table times the GPU training step: --device cpu --tiny is the CPU "
+                    "smoke run (under a minute), --device cpu times the full models on the CPU (hours)")
+        args.device = "cuda" if gpu else "cpu"
+    try:
+        torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device}: not a device (cuda, cuda:N or cpu)")
+    if args.device.startswith("cuda") and not gpu:
+        p.error(f"--device {args.device}: no CUDA GPU here (torch.cuda.is_available() is false)")
     if args.packing:
         return packing_mode(args)
     if args.search:
@@ -280,6 +293,9 @@ def main(argv=None) -> int:
     for method in args.methods.split(","):
         if method not in METHODS:
             p.error(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    for model in args.models.split(","):
+        if model not in MODELS:
+            p.error(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     raw = load_images(args.data, 2000 if args.tiny else 50000)
     splits = make_splits(raw.train_labels, 0, 131, 1000 if not args.tiny else 100, 0, raw.fingerprint)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

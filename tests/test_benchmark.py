@@ -169,6 +169,26 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
     assert "shake-experiment: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks what a machine without a GPU says")
+@pytest.mark.parametrize("argv, says", [
+    ([], "no CUDA GPU here, and the table times the GPU training step: --device cpu --tiny"),
+    (["--device", "cuda"], "--device cuda: no CUDA GPU here"),
+    (["--device", "gpu"], "--device gpu: not a device"),
+    (["--device", "cpu", "--models", "wrn28"], "unknown model 'wrn28'; known: "),
+    (["--device", "cpu", "--methods", "cowmixx"], "unknown method 'cowmixx'; known: "),
+])
+def test_throughput_refuses_bad_input_before_any_data_is_made(monkeypatch, capsys, argv, says):
+    """One message naming what is wrong, before the benchmark makes its images or builds a model."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import throughput
+
+    loaded = []
+    monkeypatch.setattr(throughput, "load_images", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit):
+        throughput.main(argv)
+    assert says in capsys.readouterr().err and loaded == []
+
+
 def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, capsys):
     """An ``inductor:KEY=VALUE`` variant's options reach its compiled runner's models over the trainer's own (here the
     threshold the config asks for) and its compile key; after it, runners are built without them. A name or a type
