@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from shakeshake_convs import grad, timed_us  # noqa: E402
 
 # (name, images, C in, K out, side): the student's convolutions (512 images) of WRN-26 shake-shake 96x2d
@@ -67,6 +68,7 @@ def main() -> None:
                         help="inputs through a ReLU (half zeros, as in the model) instead of plain normal values")
     parser.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first this many shapes")
     args = parser.parse_args()
+    require_gpu("conv_gemm_bound.py")
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.benchmark_limit = 0
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from shakeshake_convs import timed_us  # noqa: E402
 
 MODES = {"limit0": (True, 0), "limit10": (True, 10), "heuristic": (False, 10)}
@@ -140,6 +141,7 @@ def main() -> int:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be 1 or more, not {args.repeats}")
+    require_gpu("cudnn_modes.py")
     if args.mode:
         res = measure(args.mode)
         print(f"{args.mode}: {step_total(res) / 1e3:.2f} ms a step", flush=True)

@@ -69,6 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
@@ -443,7 +444,7 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
 
 
 def main() -> int:
-    print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    require_gpu("gpu_checks.py", "the tests (scripts/test.sh) compare the fast paths with the plain ones on a CPU")
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
               "losses_shakeshake": lambda: check_losses(model="wrn26_2_shakeshake"),
               "resume": check_resume, "step_graph": check_step_graph,
@@ -460,6 +461,10 @@ def main() -> int:
               "dependent_launch_shakeshake": lambda: check_dependent_launch(model="wrn26_2_shakeshake"),
               "stored_grad_shakeshake": check_stored_grad}
     only = sys.argv[1:] or list(checks)
+    unknown = [name for name in only if name not in checks]
+    if unknown:
+        sys.exit(f"gpu_checks.py: unknown check {', '.join(map(repr, unknown))}; known: {', '.join(checks)}")
+    print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():
         print(f"{name}: {'OK' if ok else 'FAILED'}")

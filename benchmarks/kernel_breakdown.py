@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_required import require_gpu  # noqa: E402  (this folder: on sys.path when run as a script)
 from trainables.models import create_model  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
 from trainables.stored_grad import register_lowering  # noqa: E402
@@ -170,6 +171,7 @@ def profile(name, replay, steps=20):
 
 
 def main():
+    require_gpu("kernel_breakdown.py")
     register_lowering()   # as the trainer does: the shake-shake blocks' stored input gradients (else a copy each)
     torch.backends.cudnn.benchmark = True
     print(torch.cuda.get_device_name(), torch.__version__, time.strftime("%Y-%m-%d"), flush=True)

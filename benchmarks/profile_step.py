@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
+from gpu_required import require_gpu  # noqa: E402
 from step_ab import SWITCHED_ON, SWITCHES, variant_switched  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
@@ -59,6 +60,7 @@ def main() -> int:
     p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
                    help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
+    require_gpu("profile_step.py")
     with variant_switched(args.variant):
         return profile(args)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gpu_required import require_gpu   # this folder: on sys.path when run as a script
 
 STAGES = ((96, 32), (192, 16), (384, 8))   # WRN-26 shake-shake 96x2d: channels per branch, image side
 
@@ -44,6 +45,7 @@ def grad(x, w, dy, groups, which):
 
 
 def main() -> None:
+    require_gpu("shakeshake_convs.py")
     torch.backends.cudnn.benchmark = True
     print(torch.cuda.get_device_name(), torch.__version__)
     for c, side in STAGES:

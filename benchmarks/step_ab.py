@@ -78,6 +78,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from throughput import load_images, make_config, time_steps  # noqa: E402
 
 from trainables import conv_rows  # noqa: E402
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
     if device.type == "cuda":
+        require_gpu("step_ab.py", "--device cpu --tiny is the CPU smoke run")
         autotune_convolutions()
     table = dict(conv_rows.CONFIGS)
     if "sweep" in variants and not args.rows_json:

@@ -189,6 +189,19 @@ def test_throughput_refuses_bad_input_before_any_data_is_made(monkeypatch, capsy
     assert says in capsys.readouterr().err and loaded == []
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks what a machine without a GPU says")
+@pytest.mark.parametrize("script", ["gpu_checks.py", "profile_step.py", "cudnn_modes.py", "conv_gemm_bound.py",
+                                    "shakeshake_convs.py", "kernel_breakdown.py", "step_ab.py"])
+def test_gpu_only_benchmarks_say_so_on_a_machine_without_a_gpu(script):
+    """Each GPU-only script exits with one line naming itself and the missing GPU, not a CUDA traceback."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].startswith(f"{script}: needs a CUDA GPU, and torch sees none here"), \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, capsys):
     """An ``inductor:KEY=VALUE`` variant's options reach its compiled runner's models over the trainer's own (here the
     threshold the config asks for) and its compile key; after it, runners are built without them. A name or a type
