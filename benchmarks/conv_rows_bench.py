@@ -229,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: use --device cpu --tiny for the interpreter smoke test", file=sys.stderr)
-        return 2
+    if args.device == "cuda":
+        from gpu_required import require_gpu   # this folder: on sys.path when run as a script
+
+        require_gpu("conv_rows_bench.py", "--device cpu --tiny is the interpreter smoke test")
     on_gpu = args.device == "cuda"
     shapes = TINY_SHAPES if args.tiny else [WRN_SHAPES[int(i)] for i in args.shapes.split(",")]
     dtype = torch.bfloat16 if on_gpu else torch.float32

@@ -86,8 +86,10 @@ def main() -> int:
         return 0
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("first_step: no CUDA device here; pass --device cpu (with --tiny for a quick run)")
+    if args.device.startswith("cuda"):
+        from gpu_required import require_gpu   # this folder: on sys.path when run as a script
+
+        require_gpu("first_step.py", "pass --device cpu (with --tiny for a quick run)")
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# first step on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {args.model} CowMix, "
           f"batch {args.batch}+{args.batch}, each run a fresh process", flush=True)

@@ -444,7 +444,6 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
 
 
 def main() -> int:
-    require_gpu("gpu_checks.py", "the tests (scripts/test.sh) compare the fast paths with the plain ones on a CPU")
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
               "losses_shakeshake": lambda: check_losses(model="wrn26_2_shakeshake"),
               "resume": check_resume, "step_graph": check_step_graph,
@@ -464,6 +463,7 @@ def main() -> int:
     unknown = [name for name in only if name not in checks]
     if unknown:
         sys.exit(f"gpu_checks.py: unknown check {', '.join(map(repr, unknown))}; known: {', '.join(checks)}")
+    require_gpu("gpu_checks.py", "the tests (scripts/test.sh) compare the fast paths with the plain ones on a CPU")
     print(f"# GPU checks on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = {name: checks[name]() for name in only}
     for name, ok in results.items():

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
@@ -37,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"))
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU: it reads the CUDA caching allocator's counts")
+    require_gpu("runner_memory.py")   # it reads the CUDA caching allocator's counts
     autotune_convolutions()
     device = torch.device("cuda")
     raw = load_images(None, 20000)

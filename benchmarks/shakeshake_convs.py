@@ -14,9 +14,15 @@ probe making the same calls before this script was written).
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from gpu_required import require_gpu   # this folder: on sys.path when run as a script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_required import require_gpu  # noqa: E402
 
 STAGES = ((96, 32), (192, 16), (384, 8))   # WRN-26 shake-shake 96x2d: channels per branch, image side
 

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
 from roofline import device_peaks, measure_step_cost  # noqa: E402
 
 from trainables.config import DataConfig, TrainConfig  # noqa: E402
@@ -278,8 +279,8 @@ def main(argv=None) -> int:
         torch.device(args.device)
     except RuntimeError:
         p.error(f"--device {args.device}: not a device (cuda, cuda:N or cpu)")
-    if args.device.startswith("cuda") and not gpu:
-        p.error(f"--device {args.device}: no CUDA GPU here (torch.cuda.is_available() is false)")
+    if args.device.startswith("cuda"):
+        require_gpu("throughput.py", "--device cpu --tiny is the CPU smoke run")
     if args.packing:
         return packing_mode(args)
     if args.search:

@@ -169,31 +169,49 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
     assert "shake-experiment: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks what a machine without a GPU says")
+NO_GPU_ONLY = pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                 reason="asks what a machine without a GPU says")
+
+
+def _refused_before_any_data(monkeypatch, capsys, argv) -> str:
+    """What throughput.py says to ``argv`` when it refuses it, having made no images."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import throughput
+
+    loaded = []
+    monkeypatch.setattr(throughput, "load_images", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as e:
+        throughput.main(argv)
+    assert loaded == []
+    return (e.value.code if isinstance(e.value.code, str) else "") + capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, says", [
-    ([], "no CUDA GPU here, and the table times the GPU training step: --device cpu --tiny"),
-    (["--device", "cuda"], "--device cuda: no CUDA GPU here"),
     (["--device", "gpu"], "--device gpu: not a device"),
     (["--device", "cpu", "--models", "wrn28"], "unknown model 'wrn28'; known: "),
     (["--device", "cpu", "--methods", "cowmixx"], "unknown method 'cowmixx'; known: "),
 ])
 def test_throughput_refuses_bad_input_before_any_data_is_made(monkeypatch, capsys, argv, says):
     """One message naming what is wrong, before the benchmark makes its images or builds a model."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import throughput
-
-    loaded = []
-    monkeypatch.setattr(throughput, "load_images", lambda *a, **k: loaded.append(a))
-    with pytest.raises(SystemExit):
-        throughput.main(argv)
-    assert says in capsys.readouterr().err and loaded == []
+    assert says in _refused_before_any_data(monkeypatch, capsys, argv)
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asks what a machine without a GPU says")
+@NO_GPU_ONLY
+@pytest.mark.parametrize("argv, says", [
+    ([], "no CUDA GPU here, and the table times the GPU training step: --device cpu --tiny"),
+    (["--device", "cuda"], "throughput.py: needs a CUDA GPU, and torch sees none here; --device cpu --tiny"),
+])
+def test_throughput_without_a_gpu_says_what_runs_on_a_cpu(monkeypatch, capsys, argv, says):
+    assert says in _refused_before_any_data(monkeypatch, capsys, argv)
+
+
+@NO_GPU_ONLY
 @pytest.mark.parametrize("script", ["gpu_checks.py", "profile_step.py", "cudnn_modes.py", "conv_gemm_bound.py",
-                                    "shakeshake_convs.py", "kernel_breakdown.py", "step_ab.py"])
+                                    "shakeshake_convs.py", "kernel_breakdown.py", "step_ab.py", "runner_memory.py",
+                                    "first_step.py", "conv_rows_bench.py"])
 def test_gpu_only_benchmarks_say_so_on_a_machine_without_a_gpu(script):
-    """Each GPU-only script exits with one line naming itself and the missing GPU, not a CUDA traceback."""
+    """Each GPU-only script (or mode: the default device of step_ab, first_step and conv_rows_bench is the GPU) exits
+    with one line naming itself and the missing GPU, not a CUDA traceback."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert r.returncode != 0
@@ -202,10 +220,19 @@ def test_gpu_only_benchmarks_say_so_on_a_machine_without_a_gpu(script):
     assert "Traceback" not in r.stderr
 
 
+def test_gpu_checks_names_an_unknown_check_before_anything_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py"), "losses", "no_such_check"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "gpu_checks.py: unknown check 'no_such_check'; known: losses, losses_cudnn,"), r.stderr[-2000:]
+
+
 def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, capsys):
-    """An ``inductor:KEY=VALUE`` variant's options reach its compiled runner's models over the trainer's own (here the
-    threshold the config asks for) and its compile key; after it, runners are built without them. A name or a type
-    Inductor would refuse is refused before any runner is built."""
+    """An ``inductor:KEY=VALUE`` variant's options reach torch.compile for its runner's student and teacher, over the
+    trainer's own (here the threshold the config asks for), and its compile key; after it, runners are built without
+    them. A name or a type torch.compile would refuse is refused before any runner is built, and so is --tiny, which
+    does not compile."""
     import torch
     import torch._inductor.config as inductor
 
@@ -223,29 +250,34 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
                       ("inductor:os=1", "'os' is not an option"),   # a module attribute, not an option
                       ("inductor:aggressive_fusion", "is not KEY=VALUE"),
                       ("inductor:aggressive_fusion=maybe", "'maybe' is not a Python literal"),
-                      ("inductor:aggressive_fusion=1", "aggressive_fusion takes a bool, not '1'")):
+                      ("inductor:aggressive_fusion=1", "aggressive_fusion, got int should be bool"),
+                      ("inductor:aggressive_fusion=True", "variants compile the step with their options, and --tiny")):
         built = []
         monkeypatch.setattr(step_ab, "build_runner", lambda *a, **k: built.append(a))
         with pytest.raises(SystemExit):
             step_ab.main(["--device", "cpu", "--tiny", "--variants", f"wgrad-stream,{bad}"])
         assert says in capsys.readouterr().err and built == []
 
+    compiled = []   # the options each torch.compile call of a model got, as it got them
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compiled.append(dict(kw.get("options") or {}))
+                        or compile_(model, **kw))
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
     x = torch.zeros(2, 3, 32, 32)
     batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+    models = []   # per runner: the options of its models' compiles (those with a threshold; the glue has none)
     with inductor.patch(realize_reads_threshold=inductor.realize_reads_threshold), \
             torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
-        plain = build_runner(cfg, 10, torch.device("cpu"))
-        with step_ab.inductor_options_added({"aggressive_fusion": True, "realize_reads_threshold": 5}):
-            varied = build_runner(cfg, 10, torch.device("cpu"))
-        after = build_runner(cfg, 10, torch.device("cpu"))
-    for name in ("student", "teacher"):
-        assert varied.inductor_options[name]["aggressive_fusion"] is True
-        assert varied.inductor_options[name]["realize_reads_threshold"] == 5
-        assert "aggressive_fusion" not in plain.inductor_options[name]
-        assert plain.inductor_options[name]["realize_reads_threshold"] == 3
-    assert after.inductor_options == plain.inductor_options
-    assert varied.compile_key(batch) != plain.compile_key(batch) == after.compile_key(batch)
+        for extra in ({}, {"aggressive_fusion": True, "realize_reads_threshold": 5}, {}):
+            compiled.clear()
+            with step_ab.inductor_options_added(extra):
+                runner = build_runner(cfg, 10, torch.device("cpu"))
+            models.append(([o for o in compiled if "realize_reads_threshold" in o], runner.compile_key(batch)))
+    (plain, plain_key), (varied, varied_key), (after, after_key) = models
+    assert len(plain) == len(varied) == 2   # student and teacher
+    assert all(o["aggressive_fusion"] is True and o["realize_reads_threshold"] == 5 for o in varied)
+    assert all("aggressive_fusion" not in o and o["realize_reads_threshold"] == 3 for o in plain)
+    assert after == plain and varied_key != plain_key == after_key
 
 
 def _add_experiment(monkeypatch, step_ab, name, switches):
