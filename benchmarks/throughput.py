@@ -220,7 +220,7 @@ def packing_mode(args) -> int:
 def search_mode(args) -> int:
     from search_wall import print_search, run_search_timed
 
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"   # a GPU: checked in main
     print(f"# search wall time on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
           f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
           flush=True)

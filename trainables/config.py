@@ -144,8 +144,8 @@ class TrainSettings:
                                       # dependent launch (Hopper or newer: a kernel's blocks start while the
                                       # one before it finishes; Inductor's triton.enable_pdl); None: for the
                                       # models where it was measured to pay
-                                      # (trainables.step.DEPENDENT_LAUNCH_MODELS; for the shake-shake
-                                      # models its on/off check has not yet passed, see there)
+                                      # (trainables.step.DEPENDENT_LAUNCH_MODELS: not the shake-shake
+                                      # models, where it measured slower)
     realize_reads_threshold: int | None = None  # compiled: Inductor's realize_reads_threshold for the student and
                                       # teacher (a result several kernels read is recomputed in each while it
                                       # reads at most this many buffers, else stored); None: the model's entry

@@ -76,16 +76,20 @@ def realize_reads_wanted(cfg: TrainConfig) -> int | None:
     return REALIZE_READS_BY_MODEL.get(cfg.model)
 
 
+def _setting_or_model_in(setting: bool | None, cfg: TrainConfig, models: frozenset[str]) -> bool:
+    """``setting`` where the config sets it, else whether the config's model is one of ``models`` (those the
+    setting was measured to pay for)."""
+    return setting if setting is not None else cfg.model in models
+
+
 def combo_kernels_wanted(cfg: TrainConfig) -> bool:
     """``train.combo_kernels``, or where it is None, whether the model is one they were measured to pay for."""
-    return cfg.train.combo_kernels if cfg.train.combo_kernels is not None else cfg.model in COMBO_KERNEL_MODELS
+    return _setting_or_model_in(cfg.train.combo_kernels, cfg, COMBO_KERNEL_MODELS)
 
 
 def dependent_launch_wanted(cfg: TrainConfig) -> bool:
     """``train.dependent_launch``, or where it is None, whether the model is one it was measured to pay for."""
-    if cfg.train.dependent_launch is not None:
-        return cfg.train.dependent_launch
-    return cfg.model in DEPENDENT_LAUNCH_MODELS
+    return _setting_or_model_in(cfg.train.dependent_launch, cfg, DEPENDENT_LAUNCH_MODELS)
 
 
 # What train.tune_kernels None means in this process: on, except where a search runs its trials (its trial
