@@ -57,6 +57,9 @@ def main() -> int:
                    help="also each Inductor kernel's bytes and TB/s (compiles afresh, in a cache directory of its own)")
     p.add_argument("--bandwidth", type=float, default=kernel_bytes.BANDWIDTH,
                    help=f"--kernel-bytes: TB/s to set the bytes against ({kernel_bytes.BANDWIDTH})")
+    p.add_argument("--reads", type=int, default=None, metavar="N",
+                   help="compile the models under Inductor's realize_reads_threshold N (train.realize_reads_threshold) "
+                        "instead of the model's own")
     p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
                    help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
@@ -79,7 +82,8 @@ def profile(args) -> int:
     raw = load_images(None, 20000)
     splits = make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint)
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
-                      args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None)
+                      args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None,
+                      realize_reads_threshold=args.reads)
     runner = build_runner(cfg, 10, device)
     if args.no_teacher_stream or args.serial:
         runner.teacher_stream = None
@@ -100,7 +104,7 @@ def profile(args) -> int:
     gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
     print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}"
-          f"{f' variant {args.variant}' if args.variant else ''}: wall {wall * 1e3:.2f} ms/step "
+          f"{f' variant {args.variant}' if args.variant else ''}{f' reads {args.reads}' if args.reads else ''}: wall {wall * 1e3:.2f} ms/step "
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainables import stored_grad  # noqa: F401  (defines cowtune::store)
+
 Segments = tuple[tuple[int, bool], ...]
 
 
@@ -48,10 +50,11 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
 
-    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
-        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs."""
+    def forward_relu(self, x: torch.Tensor, stored_affine: bool = False) -> torch.Tensor:
+        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs (``stored_affine``:
+        see ``_EqualSegmentsBatchNorm``)."""
         if self.fuse_relu and self.segments is not None and self.training and self._one_pass(x):
-            return self._equal_segments(x, relu=True)
+            return self._equal_segments(x, relu=True, stored_affine=stored_affine)
         return F.relu(self(x))
 
     def _one_pass(self, x: torch.Tensor) -> bool:
@@ -74,9 +77,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             outs.append(F.batch_norm(part, *stats, self.weight, self.bias, True, self.momentum, self.eps))
         return torch.cat(outs)
 
-    def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    def _equal_segments(self, x: torch.Tensor, relu: bool = False, stored_affine: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu, stored_affine)
         n = x.numel() // (s * self.num_features)
         if self.defer_stats:
             _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
@@ -98,16 +101,22 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
     (s, C), biased variances (s, C)).
 
     The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
-    backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
-    that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
+    backward, which re-derives ReLU's mask from ``x`` by the same expression, so that Inductor can recompute
+    the masked gradient inside both backward kernels instead of storing it. It does so only while the masked
+    gradient reads few enough buffers (``realize_reads_threshold``): with ``scale`` and ``shift`` recomputed in
+    the backward from the mean, ``rstd``, weight and bias, it reads six. With ``stored_affine`` Inductor stores
+    the two (``cowtune::store``, in the statistics' last kernel) and the backward reads them: four reads (the
+    gradient, ``x``, ``scale`` and ``shift``), recomputed under any threshold of 4 or more."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps, relu):
+    def forward(ctx, x, weight, bias, s, eps, relu, stored_affine=False):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
         rstd = torch.rsqrt(var + eps)
         scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
         shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
+        if stored_affine:
+            scale, shift = torch.ops.cowtune.store(scale), torch.ops.cowtune.store(shift)
         z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
@@ -131,13 +140,16 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None, None)
 
 
-def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def bn_relu(bn: nn.Module, x: torch.Tensor, stored_affine: bool = False) -> torch.Tensor:
     """``relu(bn(x))``: one function with a leaner backward on the one-pass path of a
-    ``SegmentedBatchNorm2d``; any other batch norm is called as it is."""
-    return bn.forward_relu(x) if isinstance(bn, SegmentedBatchNorm2d) else F.relu(bn(x))
+    ``SegmentedBatchNorm2d`` (``stored_affine``: see ``_EqualSegmentsBatchNorm``); any other batch norm is called
+    as it is."""
+    if isinstance(bn, SegmentedBatchNorm2d):
+        return bn.forward_relu(x, stored_affine)
+    return F.relu(bn(x))
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
