@@ -244,9 +244,8 @@ class ShakeShakeBlock(nn.Module):
     fused_inner_bn_relu = False  # each branch's inner batch norm and ReLU as one ``bn_relu``, whose backward takes
                                  # ReLU's mask from the batch norm's input instead of a read of its output; read when
                                  # traced
-    stored_affine = False        # with fused_inner_bn_relu: its scale and shift stored in the forward pass
     COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
-                            "fused_inner_bn_relu", "stored_affine")
+                            "fused_inner_bn_relu")
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -295,7 +294,7 @@ class ShakeShakeBlock(nn.Module):
         """A branch after its first convolution: batch norm, ReLU, convolution, batch norm; the first two as one
         ``bn_relu`` with ``fused_inner_bn_relu``."""
         if self.fused_inner_bn_relu:
-            return branch[5](branch[4](bn_relu(branch[2], y, stored_affine=self.stored_affine)))
+            return branch[5](branch[4](bn_relu(branch[2], y, stored_affine=True)))
         return branch[2:](y)
 
     def _all_foldable(self) -> bool:

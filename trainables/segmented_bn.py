@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables import stored_grad  # noqa: F401  (defines cowtune::store)
 
 Segments = tuple[tuple[int, bool], ...]
 
@@ -94,6 +93,21 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         return y
 
 
+@torch.library.custom_op("cowtune::bn_affine", mutates_args=())
+def bn_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rstd, scale, shift) of a batch norm from its per-run statistics (s, 1, C, 1, 1): ``rsqrt(var + eps)``,
+    ``rstd * weight`` and ``bias - mean * scale``, in the statistics' dtype."""
+    rstd = (var + eps).rsqrt_()
+    scale = rstd * weight.to(var.dtype).view(1, 1, -1, 1, 1)
+    return rstd, scale, torch.addcmul(bias.to(var.dtype).view(1, 1, -1, 1, 1), mean, scale, value=-1)
+
+
+@bn_affine.register_fake
+def _(mean, var, weight, bias, eps):
+    return torch.empty_like(var), torch.empty_like(var), torch.empty_like(var)
+
+
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
@@ -104,19 +118,22 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
     backward, which re-derives ReLU's mask from ``x`` by the same expression, so that Inductor can recompute
     the masked gradient inside both backward kernels instead of storing it. It does so only while the masked
     gradient reads few enough buffers (``realize_reads_threshold``): with ``scale`` and ``shift`` recomputed in
-    the backward from the mean, ``rstd``, weight and bias, it reads six. With ``stored_affine`` Inductor stores
-    the two (``cowtune::store``, in the statistics' last kernel) and the backward reads them: four reads (the
-    gradient, ``x``, ``scale`` and ``shift``), recomputed under any threshold of 4 or more."""
+    the backward from the mean, the variance, weight and bias, it reads six, and each element recomputes them.
+    With ``stored_affine`` the operator ``cowtune::bn_affine`` computes ``rstd``, ``scale`` and ``shift`` once per
+    channel, as a call Inductor does not fuse (storing them from the statistics' own kernel made Triton fail to
+    compile it), and the passes read them: the masked gradient reads four buffers, recomputed under a threshold
+    of 4 or more."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, s, eps, relu, stored_affine=False):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + eps)
-        scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
-        shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
         if stored_affine:
-            scale, shift = torch.ops.cowtune.store(scale), torch.ops.cowtune.store(shift)
+            rstd, scale, shift = torch.ops.cowtune.bn_affine(mean, var, weight, bias, eps)
+        else:
+            rstd = torch.rsqrt(var + eps)
+            scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
+            shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
         z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
