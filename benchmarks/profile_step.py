@@ -63,6 +63,8 @@ def main() -> int:
     p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
                    help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
+    if args.reads is not None and args.reads < 1:
+        p.error(f"--reads: Inductor's realize_reads_threshold must be >= 1, got {args.reads}")
     require_gpu("profile_step.py")
     with variant_switched(args.variant):
         return profile(args)
@@ -104,7 +106,7 @@ def profile(args) -> int:
     gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
     print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}"
-          f"{f' variant {args.variant}' if args.variant else ''}{f' reads {args.reads}' if args.reads else ''}: wall {wall * 1e3:.2f} ms/step "
+          f"{f' variant {args.variant}' if args.variant else ''}{f' reads {args.reads}' if args.reads is not None else ''}: wall {wall * 1e3:.2f} ms/step "
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))

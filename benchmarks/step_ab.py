@@ -91,11 +91,10 @@ from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
-FUSED_READS = {f"fused-inner-bn-relu-reads-{n}": n for n in (6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", "pdl",
-            "no-pdl", "fused-inner-bn-relu", *FUSED_READS, *READS)
+            "no-pdl", *READS)
 INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
@@ -111,14 +110,7 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
 # here and in VARIANTS; none now: those measured either won their A/B run and are on by default, or were removed,
 # docs/performance.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {
-    "fused-inner-bn-relu": ((ShakeShakeBlock, "fused_inner_bn_relu"),),
-    **{v: ((ShakeShakeBlock, "fused_inner_bn_relu"),) for v in FUSED_READS}}
-
-
-def variant_reads(variant: str) -> int | None:
-    """The realize_reads_threshold a variant compiles under, or None for the model's own."""
-    return READS.get(variant, FUSED_READS.get(variant))
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager
@@ -263,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.model, args.method, args.batch, str(device), True, not args.tiny,
                           conv_kernels="cudnn" if v == "cudnn" else "triton", wgrad_stream=v not in ("cudnn", "triton"),
                           combo_kernels=COMBO.get(v), compile_masks_and_losses=v != "eager-masks-losses",
-                          tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=variant_reads(v),
+                          tune_kernels=v != "untuned" and not args.untuned, realize_reads_threshold=READS.get(v),
                           dependent_launch=DEPENDENT_LAUNCH.get(v),
                           cuda_graph="step" if device.type == "cuda" else "none")
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)

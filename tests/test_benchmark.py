@@ -349,12 +349,20 @@ def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeyp
 @pytest.mark.parametrize("script", ["conv_gemm_bound.py", "profile_step.py", "cudnn_modes.py"])
 def test_gpu_only_scripts_import_and_parse_their_arguments(script):
     """Scripts that need a GPU to run still import here (their helpers from the other scripts) and list their
-    options; profile_step.py offers step_ab's switched variants."""
+    options; profile_step.py offers step_ab's switched variants and Inductor's threshold."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads",
             "cudnn_modes.py": "--repeats"}[script] in r.stdout
+    assert script != "profile_step.py" or "--reads N" in r.stdout
+
+
+def test_profile_step_refuses_a_threshold_below_one_before_asking_for_a_gpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--reads", "0"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("--reads: Inductor's realize_reads_threshold must be >= 1, got 0")
 
 
 def test_cudnn_modes_adds_up_a_step_and_the_best_way_per_convolution(monkeypatch, capsys):

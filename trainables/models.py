@@ -222,7 +222,9 @@ def _fold(conv: SameConv2d, bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Ten
 
 def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
     # The inner BN + ReLU stays two modules: as one bn_relu it ran slower (H100: 1% on 2026-11-26; 1.6% on 2026-11-28
-    # under realize_reads_threshold 8, where Inductor recomputes its masked gradient; docs/performance.md)
+    # under realize_reads_threshold 8, where Inductor recomputes its masked gradient). On an H200 (2026-11-28) it moved
+    # 2.8 GB a step less under 8 but was within noise (+0.7%), and 2.4% slower with its per-channel coefficients
+    # computed once under the model's 4 (docs/performance.md)
     return nn.Sequential(
         nn.ReLU(), _bn_fed_conv(cin, cout, stride), nn.BatchNorm2d(cout),
         nn.ReLU(), _bn_fed_conv(cout, cout, 1), nn.BatchNorm2d(cout))
@@ -240,12 +242,7 @@ class ShakeShakeBlock(nn.Module):
                                 # read at each forward (once, when compiled or captured)
     store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; read when traced
-    # an experiment for A/B timings, off by default:
-    fused_inner_bn_relu = False  # each branch's inner batch norm and ReLU as one ``bn_relu``, whose backward takes
-                                 # ReLU's mask from the batch norm's input instead of a read of its output; read when
-                                 # traced
-    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
-                            "fused_inner_bn_relu")
+    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -284,18 +281,11 @@ class ShakeShakeBlock(nn.Module):
         weight gradient runs on the side stream from its own layer."""
         conv_a, conv_b = self.branch_a[1], self.branch_b[1]   # _branch: ReLU, conv, BN, ReLU, conv, BN
         if not self.one_first_conv or computes_on_rows(conv_a, x):
-            return self._tail(self.branch_a, self.branch_a[:2](x)), self._tail(self.branch_b, self.branch_b[:2](x))
+            return self.branch_a(x), self.branch_b(x)
         bias = None if conv_a.bias is None else torch.cat([conv_a.bias, conv_b.bias])
         y = conv_a.with_weights(F.relu(x), torch.cat([conv_a.weight, conv_b.weight]), bias)
         ya, yb = y.split(conv_a.out_channels, dim=1)
-        return self._tail(self.branch_a, ya), self._tail(self.branch_b, yb)
-
-    def _tail(self, branch: nn.Sequential, y: torch.Tensor) -> torch.Tensor:
-        """A branch after its first convolution: batch norm, ReLU, convolution, batch norm; the first two as one
-        ``bn_relu`` with ``fused_inner_bn_relu``."""
-        if self.fused_inner_bn_relu:
-            return branch[5](branch[4](bn_relu(branch[2], y, stored_affine=True)))
-        return branch[2:](y)
+        return self.branch_a[2:](ya), self.branch_b[2:](yb)
 
     def _all_foldable(self) -> bool:
         return all(_foldable(m) for m in self.modules() if isinstance(m, nn.modules.batchnorm._NormBase))

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 Segments = tuple[tuple[int, bool], ...]
 
 
@@ -49,11 +48,10 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
 
-    def forward_relu(self, x: torch.Tensor, stored_affine: bool = False) -> torch.Tensor:
-        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs (``stored_affine``:
-        see ``_EqualSegmentsBatchNorm``)."""
+    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs."""
         if self.fuse_relu and self.segments is not None and self.training and self._one_pass(x):
-            return self._equal_segments(x, relu=True, stored_affine=stored_affine)
+            return self._equal_segments(x, relu=True)
         return F.relu(self(x))
 
     def _one_pass(self, x: torch.Tensor) -> bool:
@@ -76,9 +74,9 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
             outs.append(F.batch_norm(part, *stats, self.weight, self.bias, True, self.momentum, self.eps))
         return torch.cat(outs)
 
-    def _equal_segments(self, x: torch.Tensor, relu: bool = False, stored_affine: bool = False) -> torch.Tensor:
+    def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
-        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu, stored_affine)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
         n = x.numel() // (s * self.num_features)
         if self.defer_stats:
             _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
@@ -93,21 +91,6 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         return y
 
 
-@torch.library.custom_op("cowtune::bn_affine", mutates_args=())
-def bn_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rstd, scale, shift) of a batch norm from its per-run statistics (s, 1, C, 1, 1): ``rsqrt(var + eps)``,
-    ``rstd * weight`` and ``bias - mean * scale``, in the statistics' dtype."""
-    rstd = (var + eps).rsqrt_()
-    scale = rstd * weight.to(var.dtype).view(1, 1, -1, 1, 1)
-    return rstd, scale, torch.addcmul(bias.to(var.dtype).view(1, 1, -1, 1, 1), mean, scale, value=-1)
-
-
-@bn_affine.register_fake
-def _(mean, var, weight, bias, eps):
-    return torch.empty_like(var), torch.empty_like(var), torch.empty_like(var)
-
-
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
@@ -115,25 +98,16 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
     (s, C), biased variances (s, C)).
 
     The output is ``x * scale + shift`` with per-run, per-channel ``scale`` and ``shift`` saved for the
-    backward, which re-derives ReLU's mask from ``x`` by the same expression, so that Inductor can recompute
-    the masked gradient inside both backward kernels instead of storing it. It does so only while the masked
-    gradient reads few enough buffers (``realize_reads_threshold``): with ``scale`` and ``shift`` recomputed in
-    the backward from the mean, the variance, weight and bias, it reads six, and each element recomputes them.
-    With ``stored_affine`` the operator ``cowtune::bn_affine`` computes ``rstd``, ``scale`` and ``shift`` once per
-    channel, as a call Inductor does not fuse (storing them from the statistics' own kernel made Triton fail to
-    compile it), and the passes read them: the masked gradient reads four buffers, recomputed under a threshold
-    of 4 or more."""
+    backward, which re-derives ReLU's mask from ``x`` by the same expression: four reads, few enough
+    that Inductor recomputes the masked gradient inside both backward kernels instead of storing it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s, eps, relu, stored_affine=False):
+    def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        if stored_affine:
-            rstd, scale, shift = torch.ops.cowtune.bn_affine(mean, var, weight, bias, eps)
-        else:
-            rstd = torch.rsqrt(var + eps)
-            scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
-            shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
+        rstd = torch.rsqrt(var + eps)
+        scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
+        shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
         z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
@@ -157,16 +131,13 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
         dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
         return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None, None)
+                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
 
 
-def bn_relu(bn: nn.Module, x: torch.Tensor, stored_affine: bool = False) -> torch.Tensor:
+def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``relu(bn(x))``: one function with a leaner backward on the one-pass path of a
-    ``SegmentedBatchNorm2d`` (``stored_affine``: see ``_EqualSegmentsBatchNorm``); any other batch norm is called
-    as it is."""
-    if isinstance(bn, SegmentedBatchNorm2d):
-        return bn.forward_relu(x, stored_affine)
-    return F.relu(bn(x))
+    ``SegmentedBatchNorm2d``; any other batch norm is called as it is."""
+    return bn.forward_relu(x) if isinstance(bn, SegmentedBatchNorm2d) else F.relu(bn(x))
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
