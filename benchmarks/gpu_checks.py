@@ -24,7 +24,10 @@
    float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
    float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
 8. ``check_losses_switched_on(variant)``: the losses check (1) with the class switches of step_ab's experiment
-   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below.
+   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below
+   (``losses_paired_inner_shakeshake``).
+9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.bn_relu_pair``, an experiment) at
+   the shake-shake step's shapes against the PyTorch formula in float64.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -443,6 +446,33 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
     return ok
 
 
+def check_bn_relu_pair(where: str = "cuda", images: int = 512) -> bool:
+    """``cowtune::bn_relu_pair_backward``'s kernels at the WRN-26 shake-shake 96x2d step's shapes (``images`` in two
+    segments, bf16) against the PyTorch formula in float64: the input gradient within 1% of its largest value (bf16
+    rounding), the weight and bias gradients within 1e-3. (``where="cpu"``: in Triton's interpreter, for the tests.)"""
+    from trainables.bn_relu_pair import _reference_backward, bn_relu_pair_backward, kernels_run
+
+    ok = True
+    g = torch.Generator(device=where).manual_seed(0)
+    for c, hw in ((96, 32), (192, 16), (384, 8)):
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device=where)
+
+        y = (randn(images, 2 * c, hw, hw) * 2 + 0.5).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        dha, dhb = (randn(images, c, hw, hw).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+                    for _ in range(2))
+        var, mean = torch.var_mean(y.float().unflatten(0, (2, -1)), dim=(1, 3, 4), correction=0)
+        args = (dha, dhb, y, mean, var, randn(2 * c), randn(2 * c))
+        got = bn_relu_pair_backward(*args, 1e-5, 2)
+        want = _reference_backward(*[a.double() for a in args], 1e-5, 2)
+        errs = [(a.double() - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, want)]
+        good = kernels_run(y) and errs[0] < 1e-2 and max(errs[1:]) < 1e-3
+        print(f"  C={c} at {hw}x{hw}: kernels {kernels_run(y)}, relative error dy {errs[0]:.2e}, dweight {errs[1]:.2e}, "
+              f"dbias {errs[2]:.2e}: {'OK' if good else 'FAILED'}")
+        ok &= good
+    return ok
+
+
 def main() -> int:
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
               "losses_shakeshake": lambda: check_losses(model="wrn26_2_shakeshake"),
@@ -458,7 +488,10 @@ def main() -> int:
               "folded_teacher": check_folded_teacher,
               "dependent_launch": check_dependent_launch,
               "dependent_launch_shakeshake": lambda: check_dependent_launch(model="wrn26_2_shakeshake"),
-              "stored_grad_shakeshake": check_stored_grad}
+              "stored_grad_shakeshake": check_stored_grad,
+              "bn_relu_pair": check_bn_relu_pair,
+              "losses_paired_inner_shakeshake": lambda: check_losses_switched_on("paired-inner-bn-relu",
+                                                                                 model="wrn26_6_shakeshake")}
     only = sys.argv[1:] or list(checks)
     unknown = [name for name in only if name not in checks]
     if unknown:

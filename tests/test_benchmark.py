@@ -131,8 +131,8 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
 
 def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
     """A variant of ``SWITCHED_ON`` (an experiment) builds its runner and runs its warm-up (compile, capture) steps
-    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (No experiment is
-    open now: one stands in, as an experiment adds itself.)"""
+    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (One stands in for
+    the experiments, which need the models that have their switches, as an experiment adds itself.)"""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.chdir(tmp_path)
     import step_ab

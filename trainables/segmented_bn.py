@@ -77,10 +77,15 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
-        n = x.numel() // (s * self.num_features)
+        self._track(mean, var, x.numel() // (s * self.num_features))
+        return y
+
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
+        """The running statistics and batch counts of a one-pass call: ``mean`` and biased ``var`` (segments, C) over
+        ``n`` values per segment and channel; deferred to ``batch_segments`` with ``defer_stats``."""
         if self.defer_stats:
             _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
-            return y
+            return
         with torch.no_grad():
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
             for i, (_, update) in enumerate(self.segments):
@@ -88,7 +93,6 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
                 if update:
                     self.running_mean.lerp_(mean[i].to(self.running_mean.dtype), self.momentum)
                     self.running_var.lerp_(var[i].to(self.running_var.dtype), self.momentum)
-        return y
 
 
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
@@ -138,6 +142,30 @@ def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``relu(bn(x))``: one function with a leaner backward on the one-pass path of a
     ``SegmentedBatchNorm2d``; any other batch norm is called as it is."""
     return bn.forward_relu(x) if isinstance(bn, SegmentedBatchNorm2d) else F.relu(bn(x))
+
+
+def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool:
+    """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
+    (``SegmentedBatchNorm2d``, compiling, equal segments), with one epsilon and ``y`` holding both their channels."""
+    return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
+            and bn_b.training and bn_a.segments is not None and bn_a.segments == bn_b.segments
+            and bn_a.eps == bn_b.eps and y.dim() == 4 and y.shape[1] == bn_a.num_features + bn_b.num_features
+            and bn_a._one_pass(y) and bn_b._one_pass(y))
+
+
+def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
+                    y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``trainables.bn_relu_pair``), with each
+    layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
+    from trainables.bn_relu_pair import bn_relu_pair
+
+    s, c = len(bn_a.segments), bn_a.num_features
+    ha, hb, mean, var = bn_relu_pair(y, torch.cat([bn_a.weight, bn_b.weight]), torch.cat([bn_a.bias, bn_b.bias]), s,
+                                     bn_a.eps)
+    n = y.numel() // (s * y.shape[1])
+    bn_a._track(mean[:, :c], var[:, :c], n)
+    bn_b._track(mean[:, c:], var[:, c:], n)
+    return ha, hb
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
