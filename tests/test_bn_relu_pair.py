@@ -24,18 +24,23 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_interpreted():
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+def _import_as(interpreted: bool):
+    """trainables.bn_relu_pair (re)imported with its kernels defined for Triton's interpreter or its compiler."""
+    prev = os.environ.pop("TRITON_INTERPRET", None)
+    if interpreted:
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         if "trainables.bn_relu_pair" in sys.modules:
             return importlib.reload(sys.modules["trainables.bn_relu_pair"])
         return importlib.import_module("trainables.bn_relu_pair")
     finally:
-        if prev is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if prev is not None:
             os.environ["TRITON_INTERPRET"] = prev
+
+
+def _import_interpreted():
+    return _import_as(interpreted=True)
 
 
 def _cl(t: torch.Tensor) -> torch.Tensor:
@@ -213,10 +218,44 @@ def test_compiled_switched_block_is_the_eager_block(monkeypatch):
 
 def test_gpu_check_of_the_kernels_runs_in_the_interpreter(monkeypatch, capsys):
     """benchmarks/gpu_checks.py bn_relu_pair, at 4 images on the CPU: the kernels ran and passed at each shape."""
-    _import_interpreted()
+    brp = _import_interpreted()
+    monkeypatch.setattr(brp, "MIN_PROGRAMS", 1)   # the largest chunks: fewer programs for the interpreter
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_checks
 
     assert gpu_checks.check_bn_relu_pair(where="cpu", images=4)
     out = capsys.readouterr().out
     assert out.count("kernels True") == 3 and out.count(": OK") == 3, out
+
+
+def test_kernels_compile_for_an_h100():
+    """The three kernels compile to an sm_90 binary with Triton's own compiler and ptxas (no GPU needed): the
+    interpreter runs code the compiler may refuse. Their loads of the activations are 16-byte vectors, given the
+    16-byte-aligned pointers that a launch sees."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    brp = _import_as(interpreted=False)
+    assert not brp.INTERPRET
+    acts = {name: "*bf16" for name in ("dha", "dhb", "y")}
+    stats = {name: "*fp32" for name in ("mean_p", "var_p", "w_p", "b_p")}
+    kernels = [
+        (brp._sums_kernel, {**acts, **stats, "part": "*fp32", "eps": "fp32", "PSEG": "i32", "CHUNK": "i32"},
+         {"C2": 192, "CH": 96, "BP": 128, "BC": 32}),
+        (brp._coef_kernel, {"part": "*fp32", **stats, "coef": "*fp32", "dw": "*fp32", "db": "*fp32", "eps": "fp32",
+                            "inv_m": "fp32", "S": "i32", "CHUNKS": "i32"}, {"C2": 192, "BC": 32, "BK": 64}),
+        (brp._apply_kernel, {**acts, **stats, "coef": "*fp32", "dy": "*bf16", "eps": "fp32", "PSEG": "i32"},
+         {"C2": 192, "CH": 96, "BP": 128, "BC": 32}),
+    ]
+    for fn, signature, constexprs in kernels:
+        signature = {**signature, **{name: "constexpr" for name in constexprs}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+        binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert binary.asm["cubin"], fn.__name__
+        if fn is not brp._coef_kernel:
+            loads = re.findall(r"ld\.global[.\w]*", binary.asm["ptx"])
+            assert "ld.global.v4.b32" in loads and "ld.global.b16" not in loads, (fn.__name__, set(loads))

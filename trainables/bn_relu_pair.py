@@ -40,6 +40,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CHUNK_PIXELS = 4096   # the most pixels one program of the sums kernel adds up
 BLOCK_PIXELS = 128    # pixels a program loads at a time
 NUM_WARPS = 4
+MIN_PROGRAMS = 1024   # the sums kernel's chunks shrink (to BLOCK_PIXELS at least) until it has this many programs
 
 
 # Only builtins of triton.language here (tl.reduce with our own combine function, not tl.sum): the standard library's
@@ -93,16 +94,21 @@ def _sums_kernel(dha, dhb, y, mean_p, var_p, w_p, b_p, part, eps, PSEG, CHUNK,
 
 @triton.jit
 def _coef_kernel(part, mean_p, var_p, w_p, b_p, coef, dw, db, eps, inv_m, S, CHUNKS,
-                 C2: tl.constexpr, BC: tl.constexpr):
+                 C2: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     c = tl.program_id(0) * BC + tl.arange(0, BC)
     dw_acc = tl.full([BC], 0.0, tl.float32)
     db_acc = tl.full([BC], 0.0, tl.float32)
     for seg in range(0, S):
-        s1 = tl.full([BC], 0.0, tl.float32)
-        s2 = tl.full([BC], 0.0, tl.float32)
-        for k in range(seg * CHUNKS, (seg + 1) * CHUNKS):
-            s1 += tl.load(part + (k * 2) * C2 + c)
-            s2 += tl.load(part + (k * 2 + 1) * C2 + c)
+        # a segment's chunks BK at a time, as one tile each (a loop of single loads would wait on each in turn)
+        t1 = tl.full([BK, BC], 0.0, tl.float32)
+        t2 = tl.full([BK, BC], 0.0, tl.float32)
+        for k0 in range(seg * CHUNKS, (seg + 1) * CHUNKS, BK):
+            k = k0 + tl.arange(0, BK)
+            there = (k < (seg + 1) * CHUNKS)[:, None]
+            t1 += tl.load(part + (k * 2)[:, None] * C2 + c[None, :], mask=there, other=0.0)
+            t2 += tl.load(part + (k * 2 + 1)[:, None] * C2 + c[None, :], mask=there, other=0.0)
+        s1 = tl.reduce(t1, 0, _add)
+        s2 = tl.reduce(t2, 0, _add)
         scale, shift, mean, rstd = _affine(mean_p, var_p, w_p, b_p, seg, c, eps, C2)
         # dx = scale * (g - s1 / M - xhat * s2 / M), xhat = (y - mean) * rstd
         b = -scale * rstd * s2 * inv_m
@@ -182,8 +188,11 @@ def bn_relu_pair_backward(dha: Tensor, dhb: Tensor, y: Tensor, mean: Tensor, var
     ch = c2 // 2
     dha, dhb = (d.contiguous(memory_format=torch.channels_last) for d in (dha, dhb))
     pseg = (n // segments) * h * w
+    bc = _pow2_divisor(ch, 32)
     chunk = _pow2_divisor(pseg, CHUNK_PIXELS)
-    bp, bc = min(chunk, BLOCK_PIXELS), _pow2_divisor(ch, 32)
+    while chunk > BLOCK_PIXELS and n * h * w // chunk * (c2 // bc) < MIN_PROGRAMS:
+        chunk //= 2
+    bp = min(chunk, BLOCK_PIXELS)
     f32 = dict(dtype=torch.float32, device=y.device)
     mean, var = mean.to(torch.float32).contiguous(), var.to(torch.float32).contiguous()
     chunks = n * h * w // chunk
@@ -194,8 +203,9 @@ def bn_relu_pair_backward(dha: Tensor, dhb: Tensor, y: Tensor, mean: Tensor, var
     warps = {} if INTERPRET else {"num_warps": NUM_WARPS}
     _sums_kernel[(chunks * (c2 // bc),)](dha, dhb, y, mean, var, weight, bias, part, eps, pseg, chunk,
                                      C2=c2, CH=ch, BP=bp, BC=bc, **warps)
-    _coef_kernel[(c2 // bc,)](part, mean, var, weight, bias, coef, dw, db, eps, 1.0 / pseg, segments,
-                              chunks // segments, C2=c2, BC=bc, **warps)
+    per_segment = chunks // segments
+    _coef_kernel[(c2 // bc,)](part, mean, var, weight, bias, coef, dw, db, eps, 1.0 / pseg, segments, per_segment,
+                              C2=c2, BC=bc, BK=min(triton.next_power_of_2(per_segment), 64), **warps)
     _apply_kernel[(n * h * w // bp * (c2 // bc),)](dha, dhb, y, mean, var, weight, bias, coef, dy, eps, pseg,
                                                C2=c2, CH=ch, BP=bp, BC=bc, **warps)
     return dy, dw, db
