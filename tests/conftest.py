@@ -25,6 +25,25 @@ BIN = Path(sys.executable).parent
 _GIVEN_PORTS: set[int] = set()
 
 
+def import_for_triton(module: str, interpreted: bool):
+    """``module`` (re)imported with its Triton kernels defined for Triton's interpreter (CPU tensors) or its compiler.
+    Triton decides when ``@triton.jit`` runs, i.e. at import, so TRITON_INTERPRET is set (or unset) around the import
+    and restored afterwards: no other test module sees it."""
+    import importlib
+
+    prev = os.environ.pop("TRITON_INTERPRET", None)
+    if interpreted:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if module in sys.modules:
+            return importlib.reload(sys.modules[module])
+        return importlib.import_module(module)
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+        if prev is not None:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
 def free_port() -> int:
     """A free port on 127.0.0.1 that no earlier call in this session returned (calls back to back, before
     anything binds, could otherwise get the same one)."""

@@ -7,36 +7,21 @@ ReLUs in float64 (the PyTorch formula, which runs where the kernels do not).
 from __future__ import annotations
 
 import copy
-import importlib
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT, import_for_triton
 
 from trainables.models import ShakeShakeBlock
 from trainables.segmented_bn import (SegmentedBatchNorm2d, batch_segments, convert_batch_norm, pairs_in_one_pass,
                                      segmentable)
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_as(interpreted: bool):
-    """trainables.bn_relu_pair (re)imported with its kernels defined for Triton's interpreter or its compiler."""
-    prev = os.environ.pop("TRITON_INTERPRET", None)
-    if interpreted:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if "trainables.bn_relu_pair" in sys.modules:
-            return importlib.reload(sys.modules["trainables.bn_relu_pair"])
-        return importlib.import_module("trainables.bn_relu_pair")
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None)
-        if prev is not None:
-            os.environ["TRITON_INTERPRET"] = prev
+    return import_for_triton("trainables.bn_relu_pair", interpreted)
 
 
 def _import_interpreted():

@@ -1,38 +1,21 @@
 """trainables.conv_rows against PyTorch's convolution, on CPU through Triton's interpreter.
 
 Triton decides interpreter or compiler when ``@triton.jit`` runs, i.e. when conv_rows is imported,
-so TRITON_INTERPRET=1 is set around that import (and restored afterwards, so no other test module
-sees it). The interpreter's tl.dot is numpy's float32 matmul, so float32 results agree with PyTorch
+so it is imported with TRITON_INTERPRET=1 set around the import (conftest.import_for_triton: no other
+test module sees it). The interpreter's tl.dot is numpy's float32 matmul, so float32 results agree with PyTorch
 to float32 rounding.
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import import_for_triton
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton convolutions cannot run")
 
 
-def _import_interpreted():
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if "trainables.conv_rows" in sys.modules:
-            return importlib.reload(sys.modules["trainables.conv_rows"])
-        return importlib.import_module("trainables.conv_rows")
-    finally:
-        if prev is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = prev
-
-
-cr = _import_interpreted()
+cr = import_for_triton("trainables.conv_rows", interpreted=True)
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
