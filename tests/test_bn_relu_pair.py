@@ -43,8 +43,8 @@ def _case(n, c, h, w, segments, dtype=torch.float32, seed=0):
     return dha, dhb, y, mean, var, weight, bias
 
 
-# (N, C, H, W, segments): several chunks per segment and channel blocks per branch; a segment of 24 pixels (chunks and
-# tiles of 8), one segment; C = 24 (channel blocks of 8)
+# (N, C, H, W, segments): a segment of 128 pixels in one chunk, one 32-channel block per branch; a segment of 24 pixels
+# in three chunks of 8 (the largest power of two dividing 24), three 8-channel blocks per branch; one segment
 CASES = [(4, 32, 8, 8, 2), (4, 24, 2, 6, 2), (3, 16, 4, 4, 1)]
 
 
@@ -59,6 +59,19 @@ def test_kernels_give_the_formulas_gradients(n, c, h, w, segments):
     assert dw.dtype == db.dtype == torch.float32
     for got, want in zip((dy, dw, db), ref):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
+
+
+def test_kernels_add_many_chunks_in_tiles(monkeypatch):
+    """A segment of 128 chunks of 16 pixels: the coefficient kernel adds them in two tiles of 64."""
+    brp = _import_interpreted()
+    for name, value in (("BLOCK_PIXELS", 8), ("CHUNK_PIXELS", 16), ("MIN_PROGRAMS", 0)):
+        monkeypatch.setattr(brp, name, value)
+    args = _case(4, 8, 32, 32, 2)
+    assert brp.launch_plan(*args[2].shape, 2) == (16, 8, 8)
+    got = brp.bn_relu_pair_backward(*args, 1e-5, 2)
+    want = brp._reference_backward(*[a.double() for a in args], 1e-5, 2)
+    for g, w in zip(got, want):
+        assert torch.allclose(g.double(), w, rtol=1e-4, atol=1e-4), (g.double() - w).abs().max()
 
 
 def test_kernels_in_bfloat16_are_near_float64():
@@ -165,8 +178,11 @@ def test_pair_only_on_the_one_pass_path(monkeypatch):
 def test_compiled_switched_block_is_the_eager_block(monkeypatch):
     """Under torch.compile (where the one-pass path runs, and the backward calls ``cowtune::bn_relu_pair_backward``
     through its fake implementation while tracing), the switched block gives the eager unswitched block's outputs and
-    gradients, float32 on the CPU."""
+    gradients, float32 on the CPU, with the compiled backward running the kernels (in the interpreter)."""
     from torch._inductor import config as inductor_config
+
+    brp = _import_interpreted()
+    calls_before = brp.KERNEL_CALLS
 
     torch.manual_seed(0)
     plain = convert_batch_norm(ShakeShakeBlock(8, 8, 1))
@@ -193,6 +209,7 @@ def test_compiled_switched_block_is_the_eager_block(monkeypatch):
         (out * w).sum().backward()
         results[on] = (out.detach(), xi.grad, {n: p.grad for n, p in block.named_parameters()})
     assert calls == [1]   # traced once, on the one-pass path
+    assert brp.KERNEL_CALLS == calls_before + 1   # its backward ran the kernels
     out0, gx0, gp0 = results[False]
     out1, gx1, gp1 = results[True]
     assert torch.allclose(out0, out1, atol=1e-4), (out0 - out1).abs().max()

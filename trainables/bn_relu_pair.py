@@ -9,7 +9,7 @@ gradient in float32 or recompute each channel's scale and shift for every elemen
 - ``_sums_kernel``: per segment and channel of both branches, partial sums of the masked gradient ``g`` and of
   ``g * xhat`` over a chunk of pixels, reading the stacked input ``y`` and the two branches' output gradients once;
 - ``_coef_kernel``: adds the chunks' sums in a fixed order (deterministic, no atomics) and writes, per segment and
-  channel, the three coefficients of ``dy = a * g + b * y + c``, and the weight and bias gradients;
+  channel, the three coefficients of ``dy = a * g + b * (y - mean) + c``, and the weight and bias gradients;
 - ``_apply_kernel``: ``dy`` for both branches into one tensor of the stacked channels, the layout the stacked
   convolution's input gradient takes (no concatenation).
 
@@ -41,6 +41,7 @@ CHUNK_PIXELS = 4096   # the most pixels one program of the sums kernel adds up
 BLOCK_PIXELS = 128    # pixels a program loads at a time
 NUM_WARPS = 4
 MIN_PROGRAMS = 1024   # the sums kernel's chunks shrink (to BLOCK_PIXELS at least) until it has this many programs
+KERNEL_CALLS = 0      # calls that ran the kernels (not the PyTorch formula): for checks that the step took them
 
 
 # Only builtins of triton.language here (tl.reduce with our own combine function, not tl.sum): the standard library's
@@ -54,7 +55,7 @@ def _add(a, b):
 def _affine(mean_p, var_p, w_p, b_p, seg, c, eps, C2: tl.constexpr):
     """Per channel ``c`` of segment ``seg``: (scale, shift, mean, rstd) of the normalisation, float32."""
     mean = tl.load(mean_p + seg * C2 + c)
-    rstd = 1.0 / tl.sqrt(tl.load(var_p + seg * C2 + c) + eps)
+    rstd = tl.rsqrt(tl.load(var_p + seg * C2 + c) + eps)
     scale = rstd * tl.load(w_p + c).to(tl.float32)
     return scale, tl.load(b_p + c).to(tl.float32) - mean * scale, mean, rstd
 
@@ -110,11 +111,10 @@ def _coef_kernel(part, mean_p, var_p, w_p, b_p, coef, dw, db, eps, inv_m, S, CHU
         s1 = tl.reduce(t1, 0, _add)
         s2 = tl.reduce(t2, 0, _add)
         scale, shift, mean, rstd = _affine(mean_p, var_p, w_p, b_p, seg, c, eps, C2)
-        # dx = scale * (g - s1 / M - xhat * s2 / M), xhat = (y - mean) * rstd
-        b = -scale * rstd * s2 * inv_m
+        # dx = scale * (g - s1 / M - xhat * s2 / M), xhat = (y - mean) * rstd: a * g + b * (y - mean) + k
         tl.store(coef + (seg * 3) * C2 + c, scale)
-        tl.store(coef + (seg * 3 + 1) * C2 + c, b)
-        tl.store(coef + (seg * 3 + 2) * C2 + c, -scale * s1 * inv_m - b * mean)
+        tl.store(coef + (seg * 3 + 1) * C2 + c, -scale * rstd * s2 * inv_m)
+        tl.store(coef + (seg * 3 + 2) * C2 + c, -scale * s1 * inv_m)
         dw_acc += s2
         db_acc += s1
     tl.store(dw + c, dw_acc)
@@ -136,7 +136,7 @@ def _apply_kernel(dha, dhb, y, mean_p, var_p, w_p, b_p, coef, dy, eps, PSEG,
     yv = tl.load(y + p[:, None] * C2 + c[None, :]).to(tl.float32)
     g = tl.where(yv * scale[None, :] + shift[None, :] > 0,
                  _grad_at(dha, dhb, p, c, CH, cb * BC < CH), 0.0)
-    out = a[None, :] * g + b[None, :] * yv + k[None, :]
+    out = a[None, :] * g + b[None, :] * (yv - mean[None, :]) + k[None, :]
     tl.store(dy + p[:, None] * C2 + c[None, :], out.to(dy.dtype.element_ty))
 
 
@@ -146,6 +146,18 @@ def _pow2_divisor(n: int, most: int) -> int:
     while d < most and n % (2 * d) == 0:
         d *= 2
     return d
+
+
+def launch_plan(n: int, c2: int, h: int, w: int, segments: int) -> tuple[int, int, int]:
+    """(chunk, block, channel block): the pixels a sums program adds up (a power of two dividing a segment's, shrunk
+    until the kernel has ``MIN_PROGRAMS`` programs, to ``BLOCK_PIXELS`` at least), the pixels a program loads at a
+    time, and the channels of a program (a power of two, at most 32, dividing each branch's)."""
+    pseg = (n // segments) * h * w
+    bc = _pow2_divisor(c2 // 2, 32)
+    chunk = _pow2_divisor(pseg, CHUNK_PIXELS)
+    while chunk > BLOCK_PIXELS and n * h * w // chunk * (c2 // bc) < MIN_PROGRAMS:
+        chunk //= 2
+    return chunk, min(chunk, BLOCK_PIXELS), bc
 
 
 def kernels_run(y: Tensor) -> bool:
@@ -182,17 +194,15 @@ def bn_relu_pair_backward(dha: Tensor, dhb: Tensor, y: Tensor, mean: Tensor, var
     ``y`` (N, 2C, H, W) its input, ``mean`` and ``var`` (segments, 2C) the forward's statistics, ``weight`` and ``bias``
     (2C,) both batch norms'. dy in y's dtype and layout, the weight and bias gradients in float32 (float64 for a
     float64 ``y``)."""
-    if not kernels_run(y):
-        return _reference_backward(dha, dhb, y, mean, var, weight, bias, eps, segments)
+    global KERNEL_CALLS
     n, c2, h, w = y.shape
+    chunk, bp, bc = launch_plan(n, c2, h, w, segments)
+    if not kernels_run(y) or chunk == 1:   # chunk 1 (an odd segment): the partial sums' offsets could pass int32
+        return _reference_backward(dha, dhb, y, mean, var, weight, bias, eps, segments)
+    KERNEL_CALLS += 1
     ch = c2 // 2
     dha, dhb = (d.contiguous(memory_format=torch.channels_last) for d in (dha, dhb))
     pseg = (n // segments) * h * w
-    bc = _pow2_divisor(ch, 32)
-    chunk = _pow2_divisor(pseg, CHUNK_PIXELS)
-    while chunk > BLOCK_PIXELS and n * h * w // chunk * (c2 // bc) < MIN_PROGRAMS:
-        chunk //= 2
-    bp = min(chunk, BLOCK_PIXELS)
     f32 = dict(dtype=torch.float32, device=y.device)
     mean, var = mean.to(torch.float32).contiguous(), var.to(torch.float32).contiguous()
     chunks = n * h * w // chunk

@@ -146,10 +146,12 @@ def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool:
     """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
-    (``SegmentedBatchNorm2d``, compiling, equal segments), with one epsilon and ``y`` holding both their channels."""
+    (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype, and ``y`` holding
+    both their channels."""
     return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
             and bn_b.training and bn_a.segments is not None and bn_a.segments == bn_b.segments
-            and bn_a.eps == bn_b.eps and y.dim() == 4 and y.shape[1] == bn_a.num_features + bn_b.num_features
+            and bn_a.eps == bn_b.eps and bn_a.num_features == bn_b.num_features
+            and bn_a.weight.dtype == bn_b.weight.dtype and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features
             and bn_a._one_pass(y) and bn_b._one_pass(y))
 
 
