@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from trainables.segmented_bn import segment_affine, segment_backward  # noqa: E402
+
 SHAPES = [(512, 96, 32), (512, 192, 16), (512, 384, 8)]   # (N, C per branch, H = W)
 TINY_SHAPES = [(4, 16, 4), (4, 24, 2)]
 SWEEP = {"BLOCK_PIXELS": (64, 128, 256), "MIN_PROGRAMS": (256, 1024, 4096), "NUM_WARPS": (4, 8)}
@@ -50,9 +52,9 @@ def inputs(n: int, c: int, hw: int, device: str, dtype: torch.dtype, seed: int =
     dha, dhb = (cl(torch.randn(n, c, hw, hw, generator=g, device=device)) for _ in range(2))
     var, mean = torch.var_mean(y.float().unflatten(0, (SEGMENTS, -1)), dim=(1, 3, 4), correction=0)
     weight, bias = torch.randn(2 * c, generator=g, device=device), torch.randn(2 * c, generator=g, device=device)
-    scale = (var + EPS).rsqrt() * weight
-    h = torch.relu(y.float().unflatten(0, (SEGMENTS, -1)) * scale.view(SEGMENTS, 1, -1, 1, 1)
-                   + (bias - mean * scale).view(SEGMENTS, 1, -1, 1, 1)).flatten(0, 1)
+    view = (SEGMENTS, 1, -1, 1, 1)
+    _, scale, shift = segment_affine(mean.view(view), var.view(view), weight, bias, EPS)
+    h = torch.relu(y.float().unflatten(0, (SEGMENTS, -1)) * scale + shift).flatten(0, 1)
     ha, hb = cl(h[:, :c]), cl(h[:, c:])
     return (dha, dhb, y, mean, var, weight, bias), (ha, hb)
 
@@ -60,19 +62,17 @@ def inputs(n: int, c: int, hw: int, device: str, dtype: torch.dtype, seed: int =
 def inductor_backward(dha, dhb, y, ha, hb, mean, var, weight, bias):
     """The two batch norms' backward as the unpaired model computes it: the mask from each ReLU's output."""
     c = dha.shape[1]
+    view = (SEGMENTS, 1, c, 1, 1)
     outs, dws, dbs = [], [], []
     for d, h, lo in ((dha, ha, 0), (dhb, hb, c)):
-        ds = torch.where(h > 0, d, 0).unflatten(0, (SEGMENTS, -1)).float()
-        xs = y[:, lo:lo + c].unflatten(0, (SEGMENTS, -1)).float()
-        m = mean[:, lo:lo + c].view(SEGMENTS, 1, c, 1, 1)
-        rstd = (var[:, lo:lo + c] + EPS).rsqrt().view(SEGMENTS, 1, c, 1, 1)
-        xhat = (xs - m) * rstd
-        count = xs.numel() // (SEGMENTS * c)
-        s1, s2 = ds.sum((1, 3, 4), keepdim=True), (ds * xhat).sum((1, 3, 4), keepdim=True)
-        dx = rstd * weight[lo:lo + c].view(1, 1, c, 1, 1) * (ds - s1 / count - xhat * (s2 / count))
+        m = mean[:, lo:lo + c].view(view)
+        rstd, scale, shift = segment_affine(m, var[:, lo:lo + c].view(view), weight[lo:lo + c], bias[lo:lo + c], EPS)
+        dx, dw, db = segment_backward(torch.where(h > 0, d, 0).unflatten(0, (SEGMENTS, -1)).float(),
+                                      y[:, lo:lo + c].unflatten(0, (SEGMENTS, -1)).float(), m, rstd, scale, shift,
+                                      relu=False)
         outs.append(dx.to(y.dtype).flatten(0, 1))
-        dws.append(s2.sum((0, 1, 3, 4)))
-        dbs.append(s1.sum((0, 1, 3, 4)))
+        dws.append(dw)
+        dbs.append(db)
     return torch.cat(outs, 1), torch.cat(dws), torch.cat(dbs)
 
 

@@ -460,13 +460,9 @@ def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
     block's inner batch norms paired (``ShakeShakeBlock.paired_inner_bn_relu``, our kernels) and not, both against the
     eager float32 pass's gradients (``_no_worse``); the paired compile must have run the kernels, not the PyTorch
     formula's fallback. ``where`` "cpu": this function's logic (the kernels run only in Triton's interpreter there)."""
-    import sys as _sys
-
+    from trainables import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
     from trainables.step import REALIZE_READS_BY_MODEL
 
-    import trainables.bn_relu_pair  # noqa: F401  (as the tests may have imported it, for the interpreter)
-
-    brp = _sys.modules["trainables.bn_relu_pair"]
     ok = True
     with _exact_cudnn():
         grads, _ = _shakeshake_grads(where, batch, REALIZE_READS_BY_MODEL["wrn26_2_shakeshake"], segmented=True)
@@ -489,22 +485,16 @@ def check_bn_relu_pair(where: str = "cuda", images: int = 512) -> bool:
     """``cowtune::bn_relu_pair_backward``'s kernels at the WRN-26 shake-shake 96x2d step's shapes (``images`` in two
     segments, bf16) against the PyTorch formula in float64: the input gradient within 1% of its largest value (bf16
     rounding), the weight and bias gradients within 1e-3. (``where="cpu"``: in Triton's interpreter, for the tests.)"""
+    from bn_relu_pair_bench import SHAPES, inputs, rel_errors
+
     from trainables.bn_relu_pair import _reference_backward, bn_relu_pair_backward, kernels_run
 
     ok = True
-    g = torch.Generator(device=where).manual_seed(0)
-    for c, hw in ((96, 32), (192, 16), (384, 8)):
-        def randn(*shape):
-            return torch.randn(*shape, generator=g, device=where)
-
-        y = (randn(images, 2 * c, hw, hw) * 2 + 0.5).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-        dha, dhb = (randn(images, c, hw, hw).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-                    for _ in range(2))
-        var, mean = torch.var_mean(y.float().unflatten(0, (2, -1)), dim=(1, 3, 4), correction=0)
-        args = (dha, dhb, y, mean, var, randn(2 * c), randn(2 * c))
-        got = bn_relu_pair_backward(*args, 1e-5, 2)
-        want = _reference_backward(*[a.double() for a in args], 1e-5, 2)
-        errs = [(a.double() - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, want)]
+    for _, c, hw in SHAPES:
+        args, _ = inputs(images, c, hw, where, torch.bfloat16)
+        y = args[2]
+        errs = rel_errors(bn_relu_pair_backward(*args, 1e-5, 2), _reference_backward(*[a.double() for a in args],
+                                                                                     1e-5, 2))
         good = kernels_run(y) and errs[0] < 1e-2 and max(errs[1:]) < 1e-3
         print(f"  C={c} at {hw}x{hw}: kernels {kernels_run(y)}, relative error dy {errs[0]:.2e}, dweight {errs[1]:.2e}, "
               f"dbias {errs[2]:.2e}: {'OK' if good else 'FAILED'}")

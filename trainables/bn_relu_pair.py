@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trainables.segmented_bn import segment_affine, segment_backward
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INT32_LIMIT = 2**31
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -170,21 +172,14 @@ def kernels_run(y: Tensor) -> bool:
 
 def _reference_backward(dha: Tensor, dhb: Tensor, y: Tensor, mean: Tensor, var: Tensor, weight: Tensor,
                         bias: Tensor, eps: float, segments: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward pass in PyTorch (float32 at least): (dy, dweight, dbias)."""
+    """The backward pass in PyTorch (float32 at least), the one-pass batch norm's own: (dy, dweight, dbias)."""
     dt = torch.promote_types(y.dtype, torch.float32)
-    ys = y.unflatten(0, (segments, -1)).to(dt)
-    ds = torch.cat([dha, dhb], dim=1).unflatten(0, (segments, -1)).to(dt)
     view = (segments, 1, -1, 1, 1)
-    mean, rstd = mean.to(dt).view(view), (var.to(dt) + eps).rsqrt().view(view)
-    scale = rstd * weight.to(dt).view(1, 1, -1, 1, 1)
-    shift = bias.to(dt).view(1, 1, -1, 1, 1) - mean * scale
-    g = torch.where(ys * scale + shift > 0, ds, 0.0)
-    xhat = (ys - mean) * rstd
-    m = ys.numel() // (segments * ys.shape[2])
-    s1, s2 = g.sum((1, 3, 4), keepdim=True), (g * xhat).sum((1, 3, 4), keepdim=True)
-    dy = scale * (g - s1 / m - xhat * (s2 / m))
-    return (dy.to(y.dtype).flatten(0, 1).contiguous(memory_format=torch.channels_last), s2.sum((0, 1, 3, 4)),
-            s1.sum((0, 1, 3, 4)))
+    mean = mean.to(dt).view(view)
+    rstd, scale, shift = segment_affine(mean, var.to(dt).view(view), weight, bias, eps)
+    dx, dw, db = segment_backward(torch.cat([dha, dhb], dim=1).unflatten(0, (segments, -1)).to(dt),
+                                  y.unflatten(0, (segments, -1)).to(dt), mean, rstd, scale, shift, relu=True)
+    return dx.to(y.dtype).flatten(0, 1).contiguous(memory_format=torch.channels_last), dw, db
 
 
 @torch.library.custom_op("cowtune::bn_relu_pair_backward", mutates_args=())
@@ -232,8 +227,8 @@ class _BnReluPair(torch.autograd.Function):
     def forward(ctx, y, weight, bias, segments, eps):
         ys = y.unflatten(0, (segments, -1)).to(torch.promote_types(y.dtype, torch.float32))
         var, mean = torch.var_mean(ys, dim=(1, 3, 4), keepdim=True, correction=0)
-        scale = torch.rsqrt(var + eps) * weight.to(ys.dtype).view(1, 1, -1, 1, 1)
-        h = (ys * scale + (bias.to(ys.dtype).view(1, 1, -1, 1, 1) - mean * scale)).relu().to(y.dtype).flatten(0, 1)
+        _, scale, shift = segment_affine(mean, var, weight, bias, eps)
+        h = (ys * scale + shift).relu().to(y.dtype).flatten(0, 1)
         ch = y.shape[1] // 2
         # dense copies: each is a convolution's input (and not a view a later in-place op could rewrite)
         ha = h[:, :ch].contiguous(memory_format=torch.channels_last)

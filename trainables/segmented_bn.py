@@ -95,6 +95,31 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
                     self.running_var.lerp_(var[i].to(self.running_var.dtype), self.momentum)
 
 
+def segment_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rstd, scale, shift) of a batch norm over equal segments, in the statistics' dtype: per-segment ``mean`` and
+    biased ``var`` (s, 1, C, 1, 1) with the layer's ``weight`` and ``bias`` (C,); its output is x * scale + shift."""
+    rstd = torch.rsqrt(var + eps)
+    scale = rstd * weight.to(var.dtype).view(1, 1, -1, 1, 1)
+    return rstd, scale, bias.to(var.dtype).view(1, 1, -1, 1, 1) - mean * scale
+
+
+def segment_backward(dys: torch.Tensor, xs: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                     scale: torch.Tensor, shift: torch.Tensor,
+                     relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward pass of ``segment_affine``'s batch norm, followed by a ReLU if ``relu`` (its mask from the input
+    ``xs``, not from a read of its output), for the output gradient ``dys``; both (s, rows, C, H, W) in the
+    statistics' dtype. Returns (dx in that shape and dtype, the weight's gradient (C,), the bias's (C,))."""
+    if relu:
+        dys = torch.where(xs * scale + shift > 0, dys, 0.0)
+    n = xs.numel() // (xs.shape[0] * xs.shape[2])
+    xhat = (xs - mean) * rstd
+    sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
+    sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
+    dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
+    return dx, sum_dy_xhat.sum((0, 1, 3, 4)), sum_dy.sum((0, 1, 3, 4))
+
+
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of ``s`` equal runs of rows, each with its own statistics, in one pass
     over ``x`` viewed as (s, rows, C, H, W) (a view in either memory format), followed by a ReLU if
@@ -109,9 +134,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + eps)
-        scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
-        shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
+        rstd, scale, shift = segment_affine(mean, var, weight, bias, eps)
         z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
@@ -127,15 +150,9 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         x, mean, rstd, scale, shift = ctx.saved_tensors
         xs = x.unflatten(0, (ctx.s, -1)).to(mean.dtype)
         dys = dy.unflatten(0, (ctx.s, -1)).to(mean.dtype)
-        if ctx.relu:   # ReLU's mask from the input, not from a second read of the output
-            dys = torch.where(xs * scale + shift > 0, dys, 0.0)
-        n = xs.numel() // (ctx.s * xs.shape[2])
-        xhat = (xs - mean) * rstd
-        sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
-        sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
-        dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
-        return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
+        dx, dweight, dbias = segment_backward(dys, xs, mean, rstd, scale, shift, ctx.relu)
+        return (dx.to(x.dtype).flatten(0, 1), dweight.to(ctx.weight_dtype), dbias.to(ctx.weight_dtype), None, None,
+                None)
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
