@@ -24,7 +24,11 @@
    float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
    float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
 8. ``check_losses_switched_on(variant)``: the losses check (1) with the class switches of step_ab's experiment
-   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below.
+   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below
+   (``losses_paired_inner_shakeshake``).
+9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.bn_relu_pair``, an experiment) at
+   the shake-shake step's shapes against the PyTorch formula in float64; ``paired_grads_shakeshake``: the model's
+   gradients with them, compiled, against eager float32, and that the compiled step ran them.
 
 Last run: NVIDIA H100 80GB HBM3, 2026-11-27, torch 2.11.0+cu130, with our Triton convolutions: all OK
 (losses within 0.78%, resume and step graph differences 0); with the weight-gradient stream on, the
@@ -76,6 +80,7 @@ from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
 from trainables.models import create_model  # noqa: E402
+from trainables.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 from trainables.wgrad_stream import empty_conv_output  # noqa: E402
 
@@ -350,12 +355,13 @@ def _exact_cudnn():
         cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def _shakeshake_grads(where: str, batch: int, reads: int):
+def _shakeshake_grads(where: str, batch: int, reads: int, segmented: bool = False):
     """A function ``grads(compiled, switches=(), on=True, bf16=False)`` giving the parameters' gradients (float32) of
     one forward and backward pass of the bare shake-shake WRN-26-2 with a cross-entropy loss (channels_last, training
     mode, one fixed batch), eager or compiled (``realize_reads_threshold`` ``reads``, Inductor's random draws as
     eager's, so every run draws the same shake gates), with the class ``switches`` set to ``on`` while it is traced;
-    and the number of ShakeShakeBlocks."""
+    and the number of ShakeShakeBlocks. ``segmented``: its batch norms segmented, the batch's two halves each with its
+    own statistics (the trainer's stacked call; compiled, the one-pass path)."""
     import torch._dynamo
     import torch._inductor.config as inductor
     import torch.nn.functional as F
@@ -365,6 +371,8 @@ def _shakeshake_grads(where: str, batch: int, reads: int):
     dev = torch.device(where)
     torch.manual_seed(0)
     model = create_model("wrn26_2_shakeshake", 10).to(dev).to(memory_format=torch.channels_last).train()
+    if segmented:
+        model = convert_batch_norm(model)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=dev, generator=g)
@@ -374,10 +382,14 @@ def _shakeshake_grads(where: str, batch: int, reads: int):
         torch._dynamo.reset()   # a fresh compilation for each setting (the switches are read when traced)
         fn = torch.compile(net, dynamic=False) if compiled else net
         torch.manual_seed(1)
+        segments = batch_segments(segmentable(net), ((batch // 2, True), (batch - batch // 2, False))) \
+            if segmented else contextlib.nullcontext()
         with switched(switches, on=on), \
                 inductor.patch(fallback_random=True, realize_reads_threshold=reads, fx_graph_cache=False), \
                 torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
-            F.cross_entropy(fn(x).float(), y).backward()   # both graphs compile in here, lazily
+            with segments:
+                logits = fn(x)
+            F.cross_entropy(logits.float(), y).backward()   # both graphs compile in here, lazily
         torch._dynamo.reset()
         return [p.grad.float() for p in net.parameters()]
 
@@ -443,6 +455,53 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
     return ok
 
 
+def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
+    """One forward and backward pass of the bare shake-shake WRN-26-2 with segmented batch norms, compiled with each
+    block's inner batch norms paired (``ShakeShakeBlock.paired_inner_bn_relu``, our kernels) and not, both against the
+    eager float32 pass's gradients (``_no_worse``); the paired compile must have run the kernels, not the PyTorch
+    formula's fallback. ``where`` "cpu": this function's logic (the kernels run only in Triton's interpreter there)."""
+    from trainables import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
+    from trainables.step import REALIZE_READS_BY_MODEL
+
+    ok = True
+    with _exact_cudnn():
+        grads, _ = _shakeshake_grads(where, batch, REALIZE_READS_BY_MODEL["wrn26_2_shakeshake"], segmented=True)
+        want = grads(False)
+        for bf16 in (False, True):
+            before = brp.KERNEL_CALLS
+            paired = grads(True, SWITCHED_ON["paired-inner-bn-relu"], True, bf16)
+            ran = brp.KERNEL_CALLS - before
+            plain = grads(True, SWITCHED_ON["paired-inner-bn-relu"], False, bf16)
+            err_paired, err_plain, apart = _worst(paired, want), _worst(plain, want), _worst(paired, plain)
+            kernels_expected = where == "cuda" or brp.INTERPRET
+            print(f"  segmented shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, "
+                  f"worst tensor: paired {err_paired:.2e} ({ran} kernel calls), unpaired {err_plain:.2e}; apart "
+                  f"{apart:.2e}")
+            ok &= (ran > 0 or not kernels_expected) and _no_worse(err_paired, err_plain, apart, bf16)
+    return ok
+
+
+def check_bn_relu_pair(where: str = "cuda", images: int = 512) -> bool:
+    """``cowtune::bn_relu_pair_backward``'s kernels at the WRN-26 shake-shake 96x2d step's shapes (``images`` in two
+    segments, bf16) against the PyTorch formula in float64: the input gradient within 1% of its largest value (bf16
+    rounding), the weight and bias gradients within 1e-3. (``where="cpu"``: in Triton's interpreter, for the tests.)"""
+    from bn_relu_pair_bench import SHAPES, inputs, rel_errors
+
+    from trainables.bn_relu_pair import _reference_backward, bn_relu_pair_backward, kernels_run
+
+    ok = True
+    for _, c, hw in SHAPES:
+        args, _ = inputs(images, c, hw, where, torch.bfloat16)
+        y = args[2]
+        errs = rel_errors(bn_relu_pair_backward(*args, 1e-5, 2), _reference_backward(*[a.double() for a in args],
+                                                                                     1e-5, 2))
+        good = kernels_run(y) and errs[0] < 1e-2 and max(errs[1:]) < 1e-3
+        print(f"  C={c} at {hw}x{hw}: kernels {kernels_run(y)}, relative error dy {errs[0]:.2e}, dweight {errs[1]:.2e}, "
+              f"dbias {errs[2]:.2e}: {'OK' if good else 'FAILED'}")
+        ok &= good
+    return ok
+
+
 def main() -> int:
     checks = {"losses": check_losses, "losses_cudnn": lambda: check_losses("cudnn"),
               "losses_shakeshake": lambda: check_losses(model="wrn26_2_shakeshake"),
@@ -458,7 +517,11 @@ def main() -> int:
               "folded_teacher": check_folded_teacher,
               "dependent_launch": check_dependent_launch,
               "dependent_launch_shakeshake": lambda: check_dependent_launch(model="wrn26_2_shakeshake"),
-              "stored_grad_shakeshake": check_stored_grad}
+              "stored_grad_shakeshake": check_stored_grad,
+              "bn_relu_pair": check_bn_relu_pair,
+              "paired_grads_shakeshake": check_paired_grads,
+              "losses_paired_inner_shakeshake": lambda: check_losses_switched_on("paired-inner-bn-relu",
+                                                                                 model="wrn26_6_shakeshake")}
     only = sys.argv[1:] or list(checks)
     unknown = [name for name in only if name not in checks]
     if unknown:

@@ -131,8 +131,8 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
 
 def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
     """A variant of ``SWITCHED_ON`` (an experiment) builds its runner and runs its warm-up (compile, capture) steps
-    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (No experiment is
-    open now: one stands in, as an experiment adds itself.)"""
+    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (One stands in for
+    the experiments, which need the models that have their switches, as an experiment adds itself.)"""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.chdir(tmp_path)
     import step_ab
@@ -208,7 +208,7 @@ def test_throughput_without_a_gpu_says_what_runs_on_a_cpu(monkeypatch, capsys, a
 @NO_GPU_ONLY
 @pytest.mark.parametrize("script", ["gpu_checks.py", "profile_step.py", "cudnn_modes.py", "conv_gemm_bound.py",
                                     "shakeshake_convs.py", "kernel_breakdown.py", "step_ab.py", "runner_memory.py",
-                                    "first_step.py", "conv_rows_bench.py"])
+                                    "first_step.py", "conv_rows_bench.py", "bn_relu_pair_bench.py"])
 def test_gpu_only_benchmarks_say_so_on_a_machine_without_a_gpu(script):
     """Each GPU-only script (or mode: the default device of step_ab, first_step and conv_rows_bench is the GPU) exits
     with one line naming itself and the missing GPU, not a CUDA traceback."""
@@ -356,6 +356,14 @@ def test_gpu_only_scripts_import_and_parse_their_arguments(script):
     assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads",
             "cudnn_modes.py": "--repeats"}[script] in r.stdout
     assert script != "profile_step.py" or "--reads N" in r.stdout
+
+
+def test_bn_relu_pair_bench_checks_its_kernels_in_the_interpreter():
+    """The paired batch norms' benchmark on CPU: its kernels in Triton's interpreter against the formula, no timing."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bn_relu_pair_bench.py"), "--device", "cpu",
+                        "--tiny"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count(" OK") == 2 and "WRONG" not in r.stdout, r.stdout
 
 
 def test_profile_step_refuses_a_threshold_below_one_before_asking_for_a_gpu():

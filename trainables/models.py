@@ -22,7 +22,7 @@ from torch import nn
 
 from trainables.conv_bias_relu import conv_bias_relu
 from trainables.fast_conv import computes_on_rows
-from trainables.segmented_bn import bn_relu, convert_batch_norm
+from trainables.segmented_bn import bn_relu, bn_relu_pair_of, convert_batch_norm, pairs_in_one_pass
 from trainables.stored_grad import stored_grad
 from trainables.validation import unknown_name
 
@@ -242,7 +242,12 @@ class ShakeShakeBlock(nn.Module):
                                 # read at each forward (once, when compiled or captured)
     store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; read when traced
-    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad")
+    # an experiment for A/B timings, off by default:
+    paired_inner_bn_relu = False  # with one_first_conv: both branches' inner batch norm and ReLU as one function over
+                                  # the stacked output, whose backward is our own kernels (trainables.bn_relu_pair:
+                                  # ReLU's mask from the batch norm's input, no read of its output); read when traced
+    COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
+                            "paired_inner_bn_relu")
 
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -284,6 +289,10 @@ class ShakeShakeBlock(nn.Module):
             return self.branch_a(x), self.branch_b(x)
         bias = None if conv_a.bias is None else torch.cat([conv_a.bias, conv_b.bias])
         y = conv_a.with_weights(F.relu(x), torch.cat([conv_a.weight, conv_b.weight]), bias)
+        bn_a, bn_b = self.branch_a[2], self.branch_b[2]
+        if self.paired_inner_bn_relu and pairs_in_one_pass(bn_a, bn_b, y):
+            ha, hb = bn_relu_pair_of(bn_a, bn_b, y)
+            return self.branch_a[4:](ha), self.branch_b[4:](hb)
         ya, yb = y.split(conv_a.out_channels, dim=1)
         return self.branch_a[2:](ya), self.branch_b[2:](yb)
 

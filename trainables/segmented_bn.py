@@ -77,10 +77,15 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     def _equal_segments(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         s = len(self.segments)
         y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, s, self.eps, relu)
-        n = x.numel() // (s * self.num_features)
+        self._track(mean, var, x.numel() // (s * self.num_features))
+        return y
+
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
+        """The running statistics and batch counts of a one-pass call: ``mean`` and biased ``var`` (segments, C) over
+        ``n`` values per segment and channel; deferred to ``batch_segments`` with ``defer_stats``."""
         if self.defer_stats:
             _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
-            return y
+            return
         with torch.no_grad():
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
             for i, (_, update) in enumerate(self.segments):
@@ -88,7 +93,31 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
                 if update:
                     self.running_mean.lerp_(mean[i].to(self.running_mean.dtype), self.momentum)
                     self.running_var.lerp_(var[i].to(self.running_var.dtype), self.momentum)
-        return y
+
+
+def segment_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rstd, scale, shift) of a batch norm over equal segments, in the statistics' dtype: per-segment ``mean`` and
+    biased ``var`` (s, 1, C, 1, 1) with the layer's ``weight`` and ``bias`` (C,); its output is x * scale + shift."""
+    rstd = torch.rsqrt(var + eps)
+    scale = rstd * weight.to(var.dtype).view(1, 1, -1, 1, 1)
+    return rstd, scale, bias.to(var.dtype).view(1, 1, -1, 1, 1) - mean * scale
+
+
+def segment_backward(dys: torch.Tensor, xs: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                     scale: torch.Tensor, shift: torch.Tensor,
+                     relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward pass of ``segment_affine``'s batch norm, followed by a ReLU if ``relu`` (its mask from the input
+    ``xs``, not from a read of its output), for the output gradient ``dys``; both (s, rows, C, H, W) in the
+    statistics' dtype. Returns (dx in that shape and dtype, the weight's gradient (C,), the bias's (C,))."""
+    if relu:
+        dys = torch.where(xs * scale + shift > 0, dys, 0.0)
+    n = xs.numel() // (xs.shape[0] * xs.shape[2])
+    xhat = (xs - mean) * rstd
+    sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
+    sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
+    dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
+    return dx, sum_dy_xhat.sum((0, 1, 3, 4)), sum_dy.sum((0, 1, 3, 4))
 
 
 class _EqualSegmentsBatchNorm(torch.autograd.Function):
@@ -105,9 +134,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, s, eps, relu):
         xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
         var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        rstd = torch.rsqrt(var + eps)
-        scale = rstd * weight.to(xs.dtype).view(1, 1, -1, 1, 1)
-        shift = bias.to(xs.dtype).view(1, 1, -1, 1, 1) - mean * scale
+        rstd, scale, shift = segment_affine(mean, var, weight, bias, eps)
         z = xs * scale + shift
         # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
         # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
@@ -123,21 +150,41 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
         x, mean, rstd, scale, shift = ctx.saved_tensors
         xs = x.unflatten(0, (ctx.s, -1)).to(mean.dtype)
         dys = dy.unflatten(0, (ctx.s, -1)).to(mean.dtype)
-        if ctx.relu:   # ReLU's mask from the input, not from a second read of the output
-            dys = torch.where(xs * scale + shift > 0, dys, 0.0)
-        n = xs.numel() // (ctx.s * xs.shape[2])
-        xhat = (xs - mean) * rstd
-        sum_dy = dys.sum(dim=(1, 3, 4), keepdim=True)
-        sum_dy_xhat = (dys * xhat).sum(dim=(1, 3, 4), keepdim=True)
-        dx = scale * (dys - sum_dy / n - xhat * (sum_dy_xhat / n))
-        return (dx.to(x.dtype).flatten(0, 1), sum_dy_xhat.sum((0, 1, 3, 4)).to(ctx.weight_dtype),
-                sum_dy.sum((0, 1, 3, 4)).to(ctx.weight_dtype), None, None, None)
+        dx, dweight, dbias = segment_backward(dys, xs, mean, rstd, scale, shift, ctx.relu)
+        return (dx.to(x.dtype).flatten(0, 1), dweight.to(ctx.weight_dtype), dbias.to(ctx.weight_dtype), None, None,
+                None)
 
 
 def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``relu(bn(x))``: one function with a leaner backward on the one-pass path of a
     ``SegmentedBatchNorm2d``; any other batch norm is called as it is."""
     return bn.forward_relu(x) if isinstance(bn, SegmentedBatchNorm2d) else F.relu(bn(x))
+
+
+def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool:
+    """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
+    (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype, and ``y`` holding
+    both their channels."""
+    return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
+            and bn_b.training and bn_a.segments is not None and bn_a.segments == bn_b.segments
+            and bn_a.eps == bn_b.eps and bn_a.num_features == bn_b.num_features
+            and bn_a.weight.dtype == bn_b.weight.dtype and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features
+            and bn_a._one_pass(y) and bn_b._one_pass(y))
+
+
+def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
+                    y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``trainables.bn_relu_pair``), with each
+    layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
+    from trainables.bn_relu_pair import bn_relu_pair
+
+    s, c = len(bn_a.segments), bn_a.num_features
+    ha, hb, mean, var = bn_relu_pair(y, torch.cat([bn_a.weight, bn_b.weight]), torch.cat([bn_a.bias, bn_b.bias]), s,
+                                     bn_a.eps)
+    n = y.numel() // (s * y.shape[1])
+    bn_a._track(mean[:, :c], var[:, :c], n)
+    bn_b._track(mean[:, c:], var[:, c:], n)
+    return ha, hb
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:
