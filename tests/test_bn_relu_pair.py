@@ -61,6 +61,21 @@ def test_kernels_give_the_formulas_gradients(n, c, h, w, segments):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
 
 
+def test_op_takes_any_layout():
+    """The kernels index y and the output gradients as channels_last; given them in NCHW order, the op copies the
+    gradients and leaves y to the PyTorch formula, and its result is the same."""
+    brp = _import_interpreted()
+    args = _case(4, 32, 8, 8, 2)
+    nchw = [t.contiguous() for t in args[:3]]
+    assert not nchw[2].is_contiguous(memory_format=torch.channels_last) and not brp.kernels_run(nchw[2])
+    want = brp._reference_backward(*[a.double() for a in args], 1e-5, 2)
+    for ins in (nchw, [nchw[0], nchw[1], args[2]]):
+        got = brp.bn_relu_pair_backward(*ins, *args[3:], 1e-5, 2)
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
+        for a, b in zip(got, want):
+            assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4), (a.double() - b).abs().max()
+
+
 def test_kernels_add_many_chunks_in_tiles(monkeypatch):
     """A segment of 128 chunks of 16 pixels: the coefficient kernel adds them in two tiles of 64."""
     brp = _import_interpreted()

@@ -104,6 +104,21 @@ def segment_affine(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, 
     return rstd, scale, bias.to(var.dtype).view(1, 1, -1, 1, 1) - mean * scale
 
 
+def segment_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, s: int, eps: float,
+                    relu: bool) -> tuple[torch.Tensor, ...]:
+    """Training-mode batch norm of ``s`` equal runs of ``x``'s rows, each with its own statistics (float32 at least),
+    followed by a ReLU if ``relu``: (output in x's dtype, a copy of x's shape; mean, biased var, rstd, scale and shift,
+    each (s, 1, C, 1, 1)). Under Inductor, one kernel for the statistics and one that writes the output once, in the
+    layout its reader asks for."""
+    xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
+    var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
+    rstd, scale, shift = segment_affine(mean, var, weight, bias, eps)
+    z = xs * scale + shift
+    # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
+    # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
+    return (z.relu() if relu else z).to(x.dtype).flatten(0, 1).clone(), mean, var, rstd, scale, shift
+
+
 def segment_backward(dys: torch.Tensor, xs: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                      scale: torch.Tensor, shift: torch.Tensor,
                      relu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,13 +147,7 @@ class _EqualSegmentsBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, s, eps, relu):
-        xs = x.unflatten(0, (s, -1)).to(torch.promote_types(x.dtype, torch.float32))
-        var, mean = torch.var_mean(xs, dim=(1, 3, 4), keepdim=True, correction=0)
-        rstd, scale, shift = segment_affine(mean, var, weight, bias, eps)
-        z = xs * scale + shift
-        # a copy, not a view of the 5-d result: a following in-place op (ReLU(inplace=True)) must not
-        # rewrite a custom Function's output view; Inductor fuses the copy into the normalisation
-        y = (z.relu() if relu else z).to(x.dtype).flatten(0, 1).clone()
+        y, mean, var, rstd, scale, shift = segment_forward(x, weight, bias, s, eps, relu)
         ctx.save_for_backward(x, mean, rstd, scale, shift)
         ctx.s, ctx.relu, ctx.weight_dtype = s, relu, weight.dtype
         stats = mean.view(s, -1), var.view(s, -1)
