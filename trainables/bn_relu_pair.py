@@ -14,15 +14,16 @@ gradient in float32 or recompute each channel's scale and shift for every elemen
   convolution's input gradient takes (no concatenation).
 
 Each channel's scale, shift, mean and reciprocal standard deviation are computed once per program from the
-forward's statistics, not per element. The forward pass is plain PyTorch that Inductor fuses as it does a batch
-norm's.
+forward's statistics, not per element. The forward pass is the unpaired one-pass batch norm's
+(``segmented_bn.segment_forward``), once per branch.
 
     ha, hb, mean, var = bn_relu_pair(y, weight, bias, segments=2, eps=1e-5)
     # ha = relu(bn(y[:, :C])), hb = relu(bn(y[:, C:])), each run of N / segments rows with its own statistics
 
 Requirements of the kernels (else the PyTorch formula runs, as on the CPU): CUDA, or Triton's interpreter
-(``TRITON_INTERPRET=1`` before this module is imported) with CPU tensors; channels_last tensors whose branch
-channel count is a multiple of 8. Importing this module needs no GPU.
+(``TRITON_INTERPRET=1`` before this module is imported) with CPU tensors; a channels_last ``y`` (the output
+gradients are copied to that layout where they are not in it) whose branch channel count is a multiple of 8.
+Importing this module needs no GPU.
 """
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ class _BnReluPair(torch.autograd.Function):
         # each half as the one-pass batch norm computes it (segment_forward), as the unpaired layers do, so Inductor
         # writes each output once. Measured on an H200 (2026-11-28): one expression over both halves, sliced, it
         # stored whole and then copied half by half (2.4 GB a step more); each half as a 4-d expression over its
-        # rows, the step was 6.6% slower, with 22 layout copies a step.
+        # rows, the step was 6.6% slower and its gradients wrong (the op most likely got none for the outputs).
         ch = y.shape[1] // 2
         halves = [segment_forward(x, w, b, segments, eps, relu=True)[:3]
                   for x, w, b in zip(y.split(ch, dim=1), weight.split(ch), bias.split(ch))]
