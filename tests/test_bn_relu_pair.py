@@ -69,11 +69,13 @@ def test_op_takes_any_layout():
     nchw = [t.contiguous() for t in args[:3]]
     assert not nchw[2].is_contiguous(memory_format=torch.channels_last) and not brp.kernels_run(nchw[2])
     want = brp._reference_backward(*[a.double() for a in args], 1e-5, 2)
+    before = brp.KERNEL_CALLS
     for ins in (nchw, [nchw[0], nchw[1], args[2]]):
         got = brp.bn_relu_pair_backward(*ins, *args[3:], 1e-5, 2)
         assert got[0].is_contiguous(memory_format=torch.channels_last)
         for a, b in zip(got, want):
             assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4), (a.double() - b).abs().max()
+    assert brp.KERNEL_CALLS == before + 1   # the NCHW y by the formula, the channels_last one by the kernels
 
 
 def test_kernels_add_many_chunks_in_tiles(monkeypatch):
