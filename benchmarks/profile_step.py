@@ -106,7 +106,8 @@ def profile(args) -> int:
     gpu_total = sum(e.self_device_time_total for e in events) / 1e6 / args.steps  # seconds
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
     print(f"{args.model} {args.method} compile={not args.no_compile} cuda_graph={args.cuda_graph}"
-          f"{f' variant {args.variant}' if args.variant else ''}{f' reads {args.reads}' if args.reads is not None else ''}: wall {wall * 1e3:.2f} ms/step "
+          f"{f' variant {args.variant}' if args.variant else ''}"
+          f"{f' reads {args.reads}' if args.reads is not None else ''}: wall {wall * 1e3:.2f} ms/step "
           f"({1 / wall:.1f} steps/s under the profiler), GPU busy {gpu_total * 1e3:.2f} ms/step "
           f"({gpu_total / wall:.0%}), {kernels / args.steps:.0f} kernels/step")
     print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))

@@ -17,8 +17,8 @@ Each channel's scale, shift, mean and reciprocal standard deviation are computed
 forward's statistics, not per element. The forward pass is the unpaired one-pass batch norm's
 (``segmented_bn.segment_forward``), once per branch.
 
-    ha, hb, mean, var = bn_relu_pair(y, weight, bias, segments=2, eps=1e-5)
-    # ha = relu(bn(y[:, :C])), hb = relu(bn(y[:, C:])), each run of N / segments rows with its own statistics
+    ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, weight_a, bias_a, weight_b, bias_b, segments=2, eps=1e-5)
+    # ha = relu(bn_a(y[:, :C])), hb = relu(bn_b(y[:, C:])), each run of N / segments rows with its own statistics
 
 Requirements of the kernels (else the PyTorch formula runs, as on the CPU): CUDA, or Triton's interpreter
 (``TRITON_INTERPRET=1`` before this module is imported) with CPU tensors; a channels_last ``y`` (the output
@@ -225,24 +225,23 @@ def _(dha, dhb, y, mean, var, weight, bias, eps, segments):
 
 class _BnReluPair(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weight, bias, segments, eps):
+    def forward(ctx, y, weight_a, bias_a, weight_b, bias_b, segments, eps):
         # each half as the one-pass batch norm computes it (segment_forward), as the unpaired layers do, so Inductor
         # writes each output once. Measured on an H200 (2026-11-28): one expression over both halves, sliced, it
         # stored whole and then copied half by half (2.3 GB and 0.57 ms a step); each half as a 4-d expression over its
         # rows, the step was 6.6% slower and its gradients wrong (the op most likely got none for the outputs).
-        ch = y.shape[1] // 2
-        halves = [segment_forward(x, w, b, segments, eps, relu=True)[:3]
-                  for x, w, b in zip(y.split(ch, dim=1), weight.split(ch), bias.split(ch))]
-        (ha, mean_a, var_a), (hb, mean_b, var_b) = halves
-        stats = (torch.cat([mean_a, mean_b], dim=2).view(segments, -1),
-                 torch.cat([var_a, var_b], dim=2).view(segments, -1))
-        ctx.save_for_backward(y, *stats, weight, bias)
-        ctx.segments, ctx.eps = segments, eps
+        ya, yb = y.split(y.shape[1] // 2, dim=1)   # as ShakeShakeBlock splits it for the unpaired layers
+        ha, mean_a, var_a = segment_forward(ya, weight_a, bias_a, segments, eps, relu=True)[:3]
+        hb, mean_b, var_b = segment_forward(yb, weight_b, bias_b, segments, eps, relu=True)[:3]
+        stats = [t.view(segments, -1) for t in (mean_a, var_a, mean_b, var_b)]
+        ctx.save_for_backward(y, torch.cat(stats[0::2], dim=1), torch.cat(stats[1::2], dim=1),
+                              torch.cat([weight_a, weight_b]), torch.cat([bias_a, bias_b]))
+        ctx.segments, ctx.eps, ctx.dtypes = segments, eps, (weight_a.dtype, bias_a.dtype)
         ctx.mark_non_differentiable(*stats)
         return ha, hb, *stats
 
     @staticmethod
-    def backward(ctx, dha, dhb, _dmean, _dvar):
+    def backward(ctx, dha, dhb, *_dstats):
         y, mean, var, weight, bias = ctx.saved_tensors
         ch = y.shape[1] // 2
         shape = (y.shape[0], ch, *y.shape[2:])
@@ -250,11 +249,14 @@ class _BnReluPair(torch.autograd.Function):
         dhb = dhb if dhb is not None else y.new_zeros(shape).contiguous(memory_format=torch.channels_last)
         dy, dw, db = torch.ops.cowtune.bn_relu_pair_backward(dha, dhb, y, mean, var, weight, bias, ctx.eps,
                                                              ctx.segments)
-        return dy, dw.to(weight.dtype), db.to(bias.dtype), None, None
+        dw, db = dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1])
+        return dy, dw[:ch], db[:ch], dw[ch:], db[ch:], None, None
 
 
-def bn_relu_pair(y: Tensor, weight: Tensor, bias: Tensor, segments: int, eps: float):
-    """(relu(bn(y[:, :C])), relu(bn(y[:, C:])), mean, var): training-mode batch norm of ``segments`` equal runs of
-    rows, each with its own statistics, over both halves of ``y`` (N, 2C, H, W) at once, with ``weight`` and ``bias``
-    (2C,) both batch norms' concatenated; ``mean`` and biased ``var`` (segments, 2C) for the running statistics."""
-    return _BnReluPair.apply(y, weight, bias, segments, eps)
+def bn_relu_pair(y: Tensor, weight_a: Tensor, bias_a: Tensor, weight_b: Tensor, bias_b: Tensor, segments: int,
+                 eps: float):
+    """(relu(bn_a(y[:, :C])), relu(bn_b(y[:, C:])), mean_a, var_a, mean_b, var_b): training-mode batch norms of
+    ``segments`` equal runs of rows, each with its own statistics, over the two halves of ``y`` (N, 2C, H, W), with
+    each half's ``weight`` and ``bias`` (C,); the means and biased variances (segments, C) for the running
+    statistics. One backward pass for both (``cowtune::bn_relu_pair_backward``)."""
+    return _BnReluPair.apply(y, weight_a, bias_a, weight_b, bias_b, segments, eps)

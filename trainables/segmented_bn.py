@@ -187,12 +187,12 @@ def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
     layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
     from trainables.bn_relu_pair import bn_relu_pair
 
-    s, c = len(bn_a.segments), bn_a.num_features
-    ha, hb, mean, var = bn_relu_pair(y, torch.cat([bn_a.weight, bn_b.weight]), torch.cat([bn_a.bias, bn_b.bias]), s,
-                                     bn_a.eps)
+    s = len(bn_a.segments)
+    ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,
+                                                        bn_a.eps)
     n = y.numel() // (s * y.shape[1])
-    bn_a._track(mean[:, :c], var[:, :c], n)
-    bn_b._track(mean[:, c:], var[:, c:], n)
+    bn_a._track(mean_a, var_a, n)
+    bn_b._track(mean_b, var_b, n)
     return ha, hb
 
 
