@@ -24,9 +24,9 @@
    float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
    float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
 8. ``check_losses_switched_on(variant)``: the losses check (1) with the class switches of step_ab's experiment
-   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below
-   (``losses_paired_inner_shakeshake``).
-9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.bn_relu_pair``, an experiment) at
+   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below.
+   ``losses_shakeshake_96``: the losses check for the WRN-26 shake-shake 96x2d, whose step pairs the inner batch norms.
+9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.bn_relu_pair``) at
    the shake-shake step's shapes against the PyTorch formula in float64; ``paired_grads_shakeshake``: the model's
    gradients with them, compiled, against eager float32, and that the compiled step ran them.
 
@@ -85,6 +85,7 @@ from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 from trainables.wgrad_stream import empty_conv_output  # noqa: E402
 
 UNFOLDED = SWITCHES["unfolded-teacher"]   # switched off: the shake-shake model's eval mode unfolded
+PAIRED = SWITCHES["unpaired-inner-bn-relu"]   # switched off: each shake-shake block's inner batch norms unpaired
 
 
 def config(model: str = "wrn28_2", **train) -> TrainConfig:
@@ -469,9 +470,9 @@ def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
         want = grads(False)
         for bf16 in (False, True):
             before = brp.KERNEL_CALLS
-            paired = grads(True, SWITCHED_ON["paired-inner-bn-relu"], True, bf16)
+            paired = grads(True, PAIRED, True, bf16)
             ran = brp.KERNEL_CALLS - before
-            plain = grads(True, SWITCHED_ON["paired-inner-bn-relu"], False, bf16)
+            plain = grads(True, PAIRED, False, bf16)
             err_paired, err_plain, apart = _worst(paired, want), _worst(plain, want), _worst(paired, plain)
             kernels_expected = where == "cuda" or brp.INTERPRET
             print(f"  segmented shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, "
@@ -520,8 +521,7 @@ def main() -> int:
               "stored_grad_shakeshake": check_stored_grad,
               "bn_relu_pair": check_bn_relu_pair,
               "paired_grads_shakeshake": check_paired_grads,
-              "losses_paired_inner_shakeshake": lambda: check_losses_switched_on("paired-inner-bn-relu",
-                                                                                 model="wrn26_6_shakeshake")}
+              "losses_shakeshake_96": lambda: check_losses(model="wrn26_6_shakeshake")}
     only = sys.argv[1:] or list(checks)
     unknown = [name for name in only if name not in checks]
     if unknown:

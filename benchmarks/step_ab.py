@@ -47,9 +47,9 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             of after it in a few foreach kernels
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
             dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
-    paired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as one
-            function over the stacked first convolution's output, its backward our own kernels
-            (ShakeShakeBlock.paired_inner_bn_relu, an experiment; trainables/bn_relu_pair.py)
+    unpaired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as layers
+            of their own, Inductor's backward, instead of one function over the stacked first convolution's output
+            whose backward is our own kernels (ShakeShakeBlock.paired_inner_bn_relu false; trainables/bn_relu_pair.py)
     inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
             options as well, over the trainer's own (``torch._inductor.config`` names, values as Python literals
             of the option's type, no commas), for trying one of Inductor's settings before it becomes a field:
@@ -97,7 +97,7 @@ READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
 VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-aug", "eager-ema", "no-priority",
             "one-update", "untuned", "no-combo", "combo", "eager-masks-losses", "two-first-convs", "biased-bn-convs",
             "reference-convs", "unfolded-teacher", "unstored-input-grads", "narrow-rows", "inline-stats", "pdl",
-            "no-pdl", "paired-inner-bn-relu", *READS)
+            "no-pdl", "unpaired-inner-bn-relu", *READS)
 INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
@@ -109,12 +109,12 @@ SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRun
             "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
             "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
             "narrow-rows": ((TritonConv2d, "same_and_biased"),),
-            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
+            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),),
+            "unpaired-inner-bn-relu": ((ShakeShakeBlock, "paired_inner_bn_relu"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
 # here and in VARIANTS; once measured, each either won its A/B run and is on by default, or was removed,
 # docs/performance.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {
-    "paired-inner-bn-relu": ((ShakeShakeBlock, "paired_inner_bn_relu"),)}
+SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """A shake-shake block's two inner batch norms and ReLUs as one function over the stacked first convolution's
-output, with a backward pass of three Triton kernels of our own (an experiment, ``ShakeShakeBlock.paired_inner_bn_relu``).
+output, with a backward pass of three Triton kernels of our own (``ShakeShakeBlock.paired_inner_bn_relu``, on).
 
 Why: with one batch norm and one ReLU per branch, Inductor's backward kernels read each ReLU's output for its mask
 (2.8 GB a step in the WRN-26 shake-shake 96x2d, a sixth of the backward pass's Inductor bytes). Taking the mask
@@ -39,11 +39,12 @@ from trainables.segmented_bn import segment_affine, segment_backward, segment_fo
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INT32_LIMIT = 2**31
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# launch settings, not tuned on a GPU yet (the sums kernel does not pipeline its loads, so a tile should be large)
+# launch settings: the fastest of benchmarks/bn_relu_pair_bench.py's sweep at the shake-shake 96x2d step's three shapes
+# (NVIDIA H200, 2026-11-28; 1,024 programs was 1-7% slower)
 CHUNK_PIXELS = 4096   # the most pixels one program of the sums kernel adds up
 BLOCK_PIXELS = 128    # pixels a program loads at a time
 NUM_WARPS = 4
-MIN_PROGRAMS = 1024   # the sums kernel's chunks shrink (to BLOCK_PIXELS at least) until it has this many programs
+MIN_PROGRAMS = 256    # the sums kernel's chunks shrink (to BLOCK_PIXELS at least) until it has this many programs
 KERNEL_CALLS = 0      # calls that ran the kernels (not the PyTorch formula): for checks that the step took them
 
 

@@ -242,10 +242,9 @@ class ShakeShakeBlock(nn.Module):
                                 # read at each forward (once, when compiled or captured)
     store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; read when traced
-    # an experiment for A/B timings, off by default:
-    paired_inner_bn_relu = False  # with one_first_conv: both branches' inner batch norm and ReLU as one function over
-                                  # the stacked output, whose backward is our own kernels (trainables.bn_relu_pair:
-                                  # ReLU's mask from the batch norm's input, no read of its output); read when traced
+    paired_inner_bn_relu = True  # with one_first_conv: both branches' inner batch norm and ReLU as one function over
+                                 # the stacked output, whose backward is our own kernels (trainables.bn_relu_pair:
+                                 # ReLU's mask from the batch norm's input, no read of its output); read when traced
     COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
                             "paired_inner_bn_relu")
 
