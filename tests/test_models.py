@@ -111,9 +111,10 @@ def test_block_train_gates_depend_on_rng():
 @pytest.fixture
 def switches():
     """Restores ShakeShakeBlock's class switches after a test that flips them."""
-    saved = ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn
+    saved = {name: getattr(ShakeShakeBlock, name) for name in ShakeShakeBlock.COMPILE_KEY_SWITCHES}
     yield ShakeShakeBlock
-    ShakeShakeBlock.one_first_conv, ShakeShakeBlock.bias_free_bn_convs, ShakeShakeBlock.fold_eval_bn = saved
+    for name, value in saved.items():
+        setattr(ShakeShakeBlock, name, value)
 
 
 def _outputs_and_grads(model, x, seed=1):
