@@ -50,7 +50,8 @@ def child(args: argparse.Namespace) -> dict:
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": args.batch, "device": args.device, "precision": "bf16" if cuda else "fp32",
                   "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none",
-                  "tune_kernels": False}})   # as a search's trial compiles it (trainables.step.tune_kernels_wanted)
+                  "tune_kernels": False,   # as a search's trial compiles it (trainables.step.tune_kernels_wanted)
+                  "dependent_launch": {"on": True, "off": False, "model": None}[args.dependent_launch]}})
 
     raw = load_images(None, 2000)
     data = DeviceData(raw, make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint), True, 4, device)
@@ -77,6 +78,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny at batch 16 (CPU smoke run)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--dependent-launch", choices=("model", "on", "off"), default="model",
+                   help="train.dependent_launch: the model's default (on for WRN-28-2 on a GPU), or on, or off")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cudnn-limit", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -92,7 +95,7 @@ def main() -> int:
         require_gpu("first_step.py", "pass --device cpu (with --tiny for a quick run)")
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"# first step on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {args.model} CowMix, "
-          f"batch {args.batch}+{args.batch}, each run a fresh process", flush=True)
+          f"batch {args.batch}+{args.batch}, dependent launch {args.dependent_launch}, each run a fresh process", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cowtune-first-step-") as work:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{work}/inductor", "TRITON_CACHE_DIR": f"{work}/triton",
@@ -100,7 +103,8 @@ def main() -> int:
         for label, limit in RUNS:
             if where == "cpu" and limit is not None:
                 continue   # cuDNN plays no part
-            cmd = [sys.executable, __file__, "--child", "--device", args.device] + (["--tiny"] if args.tiny else []) \
+            cmd = [sys.executable, __file__, "--child", "--device", args.device,
+                   "--dependent-launch", args.dependent_launch] + (["--tiny"] if args.tiny else []) \
                 + (["--cudnn-limit", str(limit)] if limit is not None else [])
             t0 = time.monotonic()
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -115,7 +119,8 @@ def main() -> int:
                   f"{result['fx_graph_cache']}, {result['aot_autograd_cache']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                                               "model": args.model, "rows": rows}, indent=2))
+                                               "model": args.model, "dependent_launch": args.dependent_launch,
+                                               "rows": rows}, indent=2))
     return 0
 
 
