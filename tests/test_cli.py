@@ -55,6 +55,19 @@ def test_train_runs_resumes_and_rejects_bad_input(tmp_path):
     too_many = run(*args[:-2], "--out", str(tmp_path / "x"), "--set", "data.n_labeled=5000")
     assert too_many.returncode == 2 and "data.n_labeled" in too_many.stderr
     assert not (tmp_path / "x" / "checkpoint.pt").exists()
+    misspelt = run(*args, "--set", "model=wrn28_3")      # in the trained run's folder: named, not "differs in"
+    assert misspelt.returncode == 2 and "Unknown model 'wrn28_3'" in misspelt.stderr
+    dry = run("train", "fast", "--dry-run", "--set", "data.dataset=cifar11")
+    assert dry.returncode == 2 and "Unknown dataset 'cifar11'" in dry.stderr and "Traceback" not in dry.stderr
+
+
+def test_final_checks_its_datasets_before_ray_starts(tmp_path):
+    (tmp_path / "promoted.yaml").write_text("model: cnn_tiny\nmix: {name: cowmix}\n")
+    r = run("final", "--config", str(tmp_path / "promoted.yaml"), "--datasets", f"cifar10={tmp_path / 'nowhere'}",
+            "--seeds", "1", "--storage", str(tmp_path / "ray"), cwd=tmp_path)
+    assert r.returncode == 2 and "data.root" in r.stderr and "nowhere" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "ray").exists()   # no Ray, no MLflow experiment
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_list_shows_registries():

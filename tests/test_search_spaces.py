@@ -62,6 +62,15 @@ def test_no_search_can_evaluate_on_the_test_split(path, override):
         prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, ["--set", override]))
 
 
+@pytest.mark.parametrize("argv, key", [(["--trials", "0"], "--trials"), (["--epochs", "0"], "train.epochs"),
+                                       (["--trials", "-2"], "--trials"),
+                                       (["--set", "model=wrn28_3"], "Unknown model 'wrn28_3'")])
+def test_zero_or_negative_counts_and_unknown_names_are_refused_before_ray(argv, key):
+    mod = load(FILES[0])
+    with pytest.raises(ConfigError, match=key):
+        prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, argv))
+
+
 def test_a_space_that_could_pick_the_test_split_is_refused():
     mod = load(FILES[0])
     space = {**mod.SPACE, "data": {"eval_split": Choice(("val", "test"))}}

@@ -147,6 +147,30 @@ def test_checkpoint_from_another_config_is_refused(digits, tmp_path):
         fit(longer, tmp_path, data=digits, log=lambda s: None)
 
 
+@pytest.mark.parametrize("key, value, match", [("model", "wrn28_3", "Unknown model 'wrn28_3'.*wrn28_2"),
+                                               ("dataset", "cifar11", "Unknown dataset 'cifar11'.*cifar10")])
+def test_a_misspelt_name_is_named_before_a_checkpoint_is_compared(digits, tmp_path, key, value, match):
+    fit(tiny_config("cowmix"), tmp_path / "run", data=digits, log=lambda s: None)
+    d = tiny_config("cowmix").to_dict()
+    if key == "model":
+        d["model"] = value
+    else:
+        d["data"]["dataset"] = value
+    with pytest.raises(ConfigError, match=match):   # not "a different config (differs in: model)"
+        fit(TrainConfig.from_dict(d), tmp_path / "run", log=lambda s: None)
+    with pytest.raises(ConfigError, match=match):
+        fit(TrainConfig.from_dict(d), tmp_path / "new", log=lambda s: None)
+    assert not (tmp_path / "new").exists()
+
+
+def test_missing_data_leaves_no_output_folder(tmp_path):
+    d = tiny_config().to_dict()
+    d["data"].update(dataset="imagefolder", root=str(tmp_path / "nowhere.zip"))
+    with pytest.raises(ConfigError, match="nowhere.zip"):
+        fit(TrainConfig.from_dict(d), tmp_path / "out", log=lambda s: None)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_split_fails_before_training(tmp_path):
     cfg = TrainConfig.from_dict({**tiny_config().to_dict(), "data": {"dataset": "digits", "n_val": 200,
                                                                        "n_labeled": 5000}})

@@ -13,9 +13,10 @@ from trainables.validation import ConfigError
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from trainables.presets import load_config
-    from trainables.trainer import fit
+    from trainables.trainer import check_names, fit
 
     cfg = load_config(args.config, args.set)
+    check_names(cfg)
     out = Path(args.out or Path("runs") / f"{Path(args.config).stem}-{cfg.method}-seed{cfg.seed}")
     print(f"cowtune train: {cfg.method} on {cfg.data.dataset} ({cfg.data.n_labeled} labels), output {out}")
     if args.dry_run:
@@ -92,14 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     masks = sub.add_parser("masks", help="write a gallery PNG (and optionally .npy) of masks")
-    masks.add_argument("--kind", choices=("cow", "box"), default="cow")
-    masks.add_argument("--sigma", type=_range, default=(4.0, 16.0), metavar="LO:HI")
-    masks.add_argument("--p", type=_range, default=(0.2, 0.8), metavar="LO:HI")
-    masks.add_argument("--box-mode", default="random_area", choices=("fixed", "random_area", "random_size"))
-    masks.add_argument("--box-scale", type=float, default=0.25)
-    masks.add_argument("-n", type=int, default=32)
-    masks.add_argument("--size", type=int, default=32)
-    masks.add_argument("--seed", type=int, default=0)
+    masks.add_argument("--kind", choices=("cow", "box"), default="cow", help="CowMask, or CutMix's boxes (default cow)")
+    masks.add_argument("--sigma", type=_range, default=(4.0, 16.0), metavar="LO:HI",
+                       help="cow: the noise's Gaussian smoothing scale in pixels, drawn log-uniform (default 4:16)")
+    masks.add_argument("--p", type=_range, default=(0.2, 0.8), metavar="LO:HI",
+                       help="cow: the proportion of ones in each mask, drawn uniform (default 0.2:0.8)")
+    masks.add_argument("--box-mode", default="random_area", choices=("fixed", "random_area", "random_size"),
+                       help="box: how each box's size is drawn (default random_area)")
+    masks.add_argument("--box-scale", type=float, default=0.25, help="box: the area fraction for 'fixed' (default 0.25)")
+    masks.add_argument("-n", type=int, default=32, help="how many masks (default 32)")
+    masks.add_argument("--size", type=int, default=32, help="mask height and width in pixels (default 32)")
+    masks.add_argument("--seed", type=int, default=0, help="random seed: the same seed draws the same masks")
     masks.add_argument("--out", required=True, help="PNG file")
     masks.add_argument("--npy", help="also save the masks as an (N, H, W) uint8 array of 0/1")
     masks.set_defaults(func=_cmd_masks)

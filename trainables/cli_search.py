@@ -44,7 +44,8 @@ def _cmd_final(args: argparse.Namespace) -> int:
     name = args.name or f"{Path(args.config).stem}-final"
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set, name, storage,
-              args.out or str(Path("final") / name), args.cpus_per_trial, args.concurrency, args.ddp_workers)
+              args.out or str(Path("final") / name), args.cpus_per_trial, args.concurrency, args.ddp_workers,
+              check_data=not args.skip_data_check)
     return 0
 
 
@@ -70,4 +71,6 @@ def add_search_commands(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--cpus-per-trial", type=int, default=1)
     f.add_argument("--concurrency", type=int, default=None)
     f.add_argument("--ddp-workers", type=int, help="ImageNet: data-parallel workers (GPUs) per run (default: all GPUs, CPU: 2)")
+    f.add_argument("--skip-data-check", action="store_true",
+                   help="do not look for the data files on the driver (they exist only on the workers)")
     f.set_defaults(func=_cmd_final)

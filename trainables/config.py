@@ -184,7 +184,7 @@ class TrainSettings:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     seed: int = 0                     # run seed: weights, sampling order, augmentation, masks
-    model: str = "wrn26_6_shakeshake"  # see `cowtune models`; WRN-26 shake-shake 96x2d as in the paper
+    model: str = "wrn26_6_shakeshake"  # see `cowtune list`; WRN-26 shake-shake 96x2d as in the paper
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from trainables.config import DataConfig, TrainConfig
+from trainables.data import check_source
 from trainables.presets import apply_overrides
+from trainables.trainer import check_names
 from trainables.validation import ConfigError, check
 
 # Paper tables (test error %, mean, std over 5 runs); -1 = all labels; ImageNet: top-1 with 10% labels.
@@ -51,10 +53,13 @@ def _count_train_images(data: dict[str, Any]) -> int:
 
 
 def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: list[int] | None, seeds: int,
-                  supervised: bool, overrides: list[str]) -> list[dict[str, Any]]:
-    """One full config per (dataset, label count, method, seed); all checked before Ray starts."""
+                  supervised: bool, overrides: list[str], check_data: bool = True) -> list[dict[str, Any]]:
+    """One full config per (dataset, label count, method, seed); all checked before Ray starts, each dataset's
+    files too (listed, not decoded) unless ``check_data`` is off, where only the workers hold them."""
     check(seeds >= 1, "--seeds", "be >= 1", seeds)
+    promoted = TrainConfig.from_dict(promoted).to_dict()   # checked, and every section there (a hand-written one too)
     out = []
+    checked = set()
     for name, root in datasets.items():
         known = PAPER.get(name)
         counts = labels or (sorted(known) if known else None)
@@ -79,7 +84,12 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
                     if method == "supervised":
                         d["mix"] = d["perturb"] = None
                     d = apply_overrides(d, overrides)
-                    TrainConfig.from_dict(d)
+                    cfg = TrainConfig.from_dict(d)
+                    if name not in checked:   # once a dataset
+                        check_names(cfg)
+                        if check_data:
+                            check_source(cfg.data)
+                        checked.add(name)
                     out.append({"config": d, "dataset": name, "labels": n, "method": method, "seed": seed})
     return out
 

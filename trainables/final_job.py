@@ -17,10 +17,11 @@ from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_res
 
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
               overrides: list[str], name: str, storage: str, out_dir: str, cpus_per_trial: int = 1,
-              concurrency: int | None = None, ddp_workers: int | None = None) -> tuple[list[dict[str, Any]], str]:
+              concurrency: int | None = None, ddp_workers: int | None = None,
+              check_data: bool = True) -> tuple[list[dict[str, Any]], str]:
     promoted = yaml.safe_load(Path(config_path).read_text())
     method = TrainConfig.from_dict(promoted).method
-    runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides)   # fails before Ray
+    runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides, check_data)   # fails before Ray
     storage = storage if "://" in storage else str(Path(storage).resolve())
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(
         name, storage, {"cowtune.search": name, "cowtune.final": config_path, "method": method})

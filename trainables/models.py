@@ -54,9 +54,14 @@ def create_model(name: str, num_classes: int) -> nn.Module:
     Raises:
         ConfigError: ``name`` is not registered; the message lists known names and the closest.
     """
+    check_model(name)
+    return convert_batch_norm(MODELS[name](num_classes))
+
+
+def check_model(name: str) -> None:
+    """Raises ConfigError, listing the known names and the closest, unless ``name`` is a registered model."""
     if name not in MODELS:
         raise unknown_name("model", name, MODELS)
-    return convert_batch_norm(MODELS[name](num_classes))
 
 
 def list_models() -> list[str]:

@@ -108,7 +108,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     failed = sum(1 for r in results if r.error)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else ""})
-    if best is not None and best.metrics:
+    if best is not None and best.metrics and best.metrics.get(settings.metric) is not None:
         print(f"best trial {best.metrics.get('trial_id')}: {settings.metric} = {best.metrics.get(settings.metric):.4f} "
               f"at epoch {best.metrics.get(M.EPOCH)}")
     print(f"done: {len(results)} trials ({failed} failed). Compare them with "

@@ -23,6 +23,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import check_source, train_size
 from trainables.presets import apply_overrides, read_config_file
+from trainables.trainer import check_names
 from trainables.validation import ConfigError, check, flatten
 
 METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --preset supplies the rest
@@ -120,12 +121,13 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     if args.data:
         check(Path(args.data).exists(), "--data", "name an existing dataset folder or zip", args.data)
         d = merge(d, {"data": {"root": args.data}})
-    if args.epochs:
+    if args.epochs is not None:   # 0 is refused by the config's own check, not taken for "unset"
         d = merge(d, {"train": {"epochs": args.epochs}})
     d = apply_overrides(d, args.set)
     data = d.setdefault("data", {})
     data["root"] = str(Path(data.get("root") or "data").resolve())   # trials run in other folders
     cfg = TrainConfig.from_dict(d)
+    check_names(cfg)
     check(cfg.data.eval_split == "val" and cfg.data.n_val > 0, "data.eval_split",
           "be 'val' with data.n_val > 0 in a search (a search never reads the test split)", cfg.data.eval_split)
     d = cfg.to_dict()
@@ -146,7 +148,7 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
         except ConfigError as exc:
             raise ConfigError(f"search space sample {i} {values} makes an invalid config: {exc}") from None
         check(sample.data.eval_split == "val", "search space", "never set data.eval_split to 'test'", values)
-    trials = args.trials or (2 if args.smoke_test else settings.num_samples)
+    trials = args.trials if args.trials is not None else (2 if args.smoke_test else settings.num_samples)
     check(trials >= 1, "--trials", "be >= 1", trials)
     epochs = cfg.train.epochs
     grace = settings.grace_period or grace_rule(cfg, space, epochs)

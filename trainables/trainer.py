@@ -23,11 +23,11 @@ import torch
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import TrainData, prepare_data, stream_seed
+from trainables.data import TrainData, check_dataset, prepare_data, stream_seed
 from trainables.fast_conv import apply_conv_kernels
 from trainables.gpu_turns import gpu_identity, gpu_turn
 from trainables.legacy_checkpoints import upgrade_optimizer_state
-from trainables.models import create_model
+from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
@@ -180,6 +180,12 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> St
     return StepRunner(cfg, student, teacher, optimizer, device, bf16)
 
 
+def check_names(cfg: TrainConfig) -> None:
+    """The model and the dataset ``cfg`` names are registered; raises ConfigError with the closest known names."""
+    check_model(cfg.model)
+    check_dataset(cfg.data.dataset)
+
+
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
         log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
@@ -188,8 +194,8 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     Raises:
         ConfigError: bad config, bad data split, or a checkpoint made with a different config.
     """
+    check_names(cfg)                  # a misspelt name is named as such, not as a checkpoint's other config
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
     resume = None
     if ckpt_path.exists() and not restart:
@@ -201,6 +207,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     device = setup_device(cfg)
     data = data or prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     log(f"data: {data.describe()}")
+    out.mkdir(parents=True, exist_ok=True)   # after the data: a run refused for its data leaves no folder
     runner = build_runner(cfg, data.num_classes, device)
     student, teacher, optimizer, bf16 = runner.student, runner.teacher, runner.optimizer, runner.bf16
     base_lr = optimizer.param_groups[0]["lr"]

@@ -37,7 +37,8 @@ from trainables.data.image_files import FileImages
 from trainables.data.loader import (EVAL_CROP, INCEPTION_RATIO, INCEPTION_SCALE, LOADER_IMAGE_SIZE, LoaderData,
                                     eval_view, inception_box, train_view)
 from trainables.data.sources import (DATASETS, NORMALISATION, SMALL_IMAGE_MAX, TORCHVISION_FILES, TRAIN_SIZES,
-                                     Loader, RawDataset, check_source, load_raw, register_dataset, train_size)
+                                     Loader, RawDataset, check_dataset, check_source, load_raw, register_dataset,
+                                     train_size)
 from trainables.data.splits import Splits, make_splits
 from trainables.validation import check
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Batch", "DATASETS", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
     "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
-    "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_source", "crop_flip_params", "epoch_order",
+    "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_dataset", "check_source", "crop_flip_params", "epoch_order",
     "eval_view", "gather_crops", "inception_box", "load_raw", "make_splits", "normalise", "prepare_data",
     "register_dataset", "stream_seed", "train_size", "train_view", "warm_decode_cache", "window_indices",
 ]

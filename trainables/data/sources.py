@@ -68,10 +68,15 @@ def register_dataset(name: str) -> Callable[[Loader], Loader]:
     return add
 
 
+def check_dataset(name: str) -> None:
+    """Raises ConfigError, listing the known names and the closest, unless ``name`` is a registered dataset."""
+    if name not in DATASETS:
+        raise unknown_name("dataset", name, DATASETS)
+
+
 def load_raw(cfg: "DataConfig") -> RawDataset:
     """Load ``cfg.dataset`` through its registered loader. Raises ConfigError for unknown names."""
-    if cfg.dataset not in DATASETS:
-        raise unknown_name("dataset", cfg.dataset, DATASETS)
+    check_dataset(cfg.dataset)
     return DATASETS[cfg.dataset](cfg)
 
 
@@ -98,8 +103,7 @@ def check_source(cfg: "DataConfig") -> int | None:
     Lists an ImageFolder tree or zip (no decoding) or looks for torchvision's files; raises ConfigError.
     Returns the number of training images (None where only the loader can tell).
     """
-    if cfg.dataset not in DATASETS:
-        raise unknown_name("dataset", cfg.dataset, DATASETS)
+    check_dataset(cfg.dataset)
     root = os.path.abspath(os.path.expanduser(cfg.root))
     if cfg.dataset == "imagefolder":
         return len(_layout(_list_images(root, cfg.root), cfg.root)[0])
