@@ -360,6 +360,9 @@ def test_imagefolder_folder_and_zip_on_device_with_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(image_files, "_decode_all", no_decode)   # looked up by _decode_cached there
     again = D.prepare_data(dataclasses.replace(cfg, root=str(zipped)), 0, CPU)
     assert torch.equal(again.images, b.images) and again.split_hashes == b.split_hashes
+    (tmp_path / "link.zip").symlink_to(zipped)                   # the same zip through a link: the same cache
+    linked = D.prepare_data(dataclasses.replace(cfg, root=str(tmp_path / "link.zip")), 0, CPU)
+    assert torch.equal(linked.images, b.images) and len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
 def test_imagefolder_plain_class_folders(tmp_path, monkeypatch):

@@ -134,5 +134,5 @@ def test_relative_data_path_reaches_every_trial(tmp_path, digits_tree):
     assert children[0].data.params["data.root"] == str(tmp_path / "mydata")
     missing = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
                               "--data", "nowhere"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert missing.returncode != 0 and "--data must name an existing dataset folder or zip" in missing.stderr
+    assert missing.returncode == 2 and "--data must name an existing dataset folder or zip" in missing.stderr
     assert "Traceback" not in missing.stderr

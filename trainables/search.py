@@ -15,6 +15,7 @@ e^-3 = 5%; before that a slow teacher would be judged on the weights it started 
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import optuna
@@ -72,7 +73,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
     except ConfigError as exc:
-        raise SystemExit(f"{settings.name}: error: {exc}") from None   # one clear line, exit status 1
+        print(f"{settings.name}: error: {exc}", file=sys.stderr)   # one clear line, exit status 2 as `cowtune`'s
+        raise SystemExit(2) from None
     base = TrainConfig.from_dict(plan.base)
     if not args.no_compile_ahead:   # the step's first compilation, the longest wait, starts now
         compile_ahead.start(base)

@@ -110,9 +110,10 @@ def _cache_dir() -> Path:
 
 
 def _source_key(root: str, files: Sequence[FileImages | None]) -> str:
-    """Cache key: absolute path, size and mtime of the zip, or of every listed file of a folder."""
+    """Cache key: the resolved path (a link to it shares its cache), size and mtime of the zip, or of every
+    listed file of a folder."""
     st = os.stat(root)
-    h = hashlib.sha256(f"v{_CACHE_VERSION}|{root}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{os.path.realpath(root)}|{st.st_size}|{st.st_mtime_ns}".encode())
     if os.path.isdir(root):
         for fi in files:
             for name in (fi.names if fi is not None else ()):
