@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 from conftest import run_checked
 
 from trainables.final import final_configs, imagenet_sigma_scale
+from trainables.validation import ConfigError
 
 PROMOTED = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50},
             "mix": {"name": "cowmix", "sigma_range": [4.0, 16.0], "prop_range": [0.2, 0.8]},
@@ -24,6 +25,17 @@ def test_imagenet_runs_use_resnet152_ten_percent_labels_and_scaled_sigma(digits_
     assert cfg["mix"]["sigma_range"] == [32.0, 128.0]          # the paper's ImageNet sigma at 224 px
     assert imagenet_sigma_scale(32) == pytest.approx(8 * 32 / 224)
     assert cfg["data"]["eval_split"] == "test" and cfg["data"]["n_val"] == 0
+
+
+def test_the_final_grid_looks_for_each_datasets_files_unless_told_not_to(tmp_path):
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="data.root.*nowhere"):
+        final_configs(PROMOTED, {"cifar10": nowhere}, [250], 1, False, [])
+    assert len(final_configs(PROMOTED, {"cifar10": nowhere}, [250], 2, True, [], check_data=False)) == 4
+    with pytest.raises(ConfigError, match="--labels"):   # ImageNet's default 10% would count files on the driver
+        final_configs(PROMOTED, {"imagenet": nowhere}, None, 1, False, [], check_data=False)
+    (run,) = final_configs(PROMOTED, {"imagenet": nowhere}, [100], 1, False, [], check_data=False)
+    assert run["config"]["data"]["n_labeled"] == 100 and run["config"]["model"] == "resnet152"
 
 
 @pytest.mark.slow

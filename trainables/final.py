@@ -47,9 +47,11 @@ def imagenet_sigma_scale(image_size: int) -> float:
     return 8.0 * image_size / 224.0
 
 
-def _count_train_images(data: dict[str, Any]) -> int:
-    from trainables.data import load_raw
-    return len(load_raw(DataConfig(**{k: v for k, v in data.items() if k in ("dataset", "root", "pipeline", "image_size")})).train_labels)
+def _count_train_images(data: dict[str, Any], check_data: bool) -> int:
+    """The training images of an ImageFolder tree, listed once on the driver (not decoded)."""
+    check(check_data, "--labels", "be given for imagenet with --skip-data-check (10% of the training images, the "
+          "default, is counted on this machine)", None)
+    return check_source(DataConfig(**{k: v for k, v in data.items() if k in ("dataset", "root", "image_size")}))
 
 
 def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: list[int] | None, seeds: int,
@@ -59,12 +61,13 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
     check(seeds >= 1, "--seeds", "be >= 1", seeds)
     promoted = TrainConfig.from_dict(promoted).to_dict()   # checked, and every section there (a hand-written one too)
     out = []
-    checked = set()
     for name, root in datasets.items():
         known = PAPER.get(name)
         counts = labels or (sorted(known) if known else None)
         if counts is None:
             raise ConfigError(f"--labels is required for dataset '{name}' (no paper label counts). Known: {', '.join(PAPER)}")
+        n_train = None   # ImageNet's 10% labels: its training images, counted once
+        first = len(out)
         for n in counts:
             for method in ("promoted", "supervised") if supervised else ("promoted",):
                 for seed in range(seeds):
@@ -80,17 +83,17 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
                     if name != "imagenet":
                         d["data"]["dataset"] = name
                     elif n == IMAGENET_LABELS:
-                        d["data"]["n_labeled"] = max(1, round(0.1 * _count_train_images(d["data"])))
+                        n_train = n_train or _count_train_images(d["data"], check_data)
+                        d["data"]["n_labeled"] = max(1, round(0.1 * n_train))
                     if method == "supervised":
                         d["mix"] = d["perturb"] = None
                     d = apply_overrides(d, overrides)
-                    cfg = TrainConfig.from_dict(d)
-                    if name not in checked:   # once a dataset
-                        check_names(cfg)
-                        if check_data:
-                            check_source(cfg.data)
-                        checked.add(name)
+                    TrainConfig.from_dict(d)
                     out.append({"config": d, "dataset": name, "labels": n, "method": method, "seed": seed})
+        cfg = TrainConfig.from_dict(out[first]["config"])   # once a dataset: its names, and its files listed
+        check_names(cfg)
+        if check_data and n_train is None:
+            check_source(cfg.data)
     return out
 
 

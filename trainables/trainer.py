@@ -192,7 +192,8 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     ``shared_gpu``: other trials are packed on this GPU; with ``train.gpu_turns`` the epochs take turns.
 
     Raises:
-        ConfigError: bad config, bad data split, or a checkpoint made with a different config.
+        ConfigError: bad config (an unknown model or dataset is named first, before any checkpoint is read or
+            folder made), bad data split, or a checkpoint made with a different config.
     """
     check_names(cfg)                  # a misspelt name is named as such, not as a checkpoint's other config
     out = Path(out_dir)
