@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cow: the proportion of ones in each mask, drawn uniform (default 0.2:0.8)")
     masks.add_argument("--box-mode", default="random_area", choices=("fixed", "random_area", "random_size"),
                        help="box: how each box's size is drawn (default random_area)")
-    masks.add_argument("--box-scale", type=float, default=0.25, help="box: the area fraction for 'fixed' (default 0.25)")
+    masks.add_argument("--box-scale", type=float, default=0.25,
+                       help="box: the area fraction for 'fixed' (default 0.25)")
     masks.add_argument("-n", type=int, default=32, help="how many masks (default 32)")
     masks.add_argument("--size", type=int, default=32, help="mask height and width in pixels (default 32)")
     masks.add_argument("--seed", type=int, default=0, help="random seed: the same seed draws the same masks")
