@@ -16,10 +16,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from trainables.trainer import check_names, fit
 
     cfg = load_config(args.config, args.set)
-    check_names(cfg)
     out = Path(args.out or Path("runs") / f"{Path(args.config).stem}-{cfg.method}-seed{cfg.seed}")
     print(f"cowtune train: {cfg.method} on {cfg.data.dataset} ({cfg.data.n_labeled} labels), output {out}")
     if args.dry_run:
+        check_names(cfg)   # what fit() checks first, for a run that stops here
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     result = fit(cfg, out, restart=args.restart)

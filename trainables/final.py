@@ -88,12 +88,12 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
                     if method == "supervised":
                         d["mix"] = d["perturb"] = None
                     d = apply_overrides(d, overrides)
-                    TrainConfig.from_dict(d)
+                    cfg = TrainConfig.from_dict(d)
+                    if len(out) == first:   # a dataset's first run: its names, and its files listed (once counted)
+                        check_names(cfg)
+                        if check_data and n_train is None:
+                            check_source(cfg.data)
                     out.append({"config": d, "dataset": name, "labels": n, "method": method, "seed": seed})
-        cfg = TrainConfig.from_dict(out[first]["config"])   # once a dataset: its names, and its files listed
-        check_names(cfg)
-        if check_data and n_train is None:
-            check_source(cfg.data)
     return out
 
 
