@@ -127,6 +127,10 @@ class TrainSettings:
     compile_mode: str = "reduce-overhead"  # torch.compile mode (its CUDA graphs only with cuda_graph: model)
     cuda_graph: str = "step"          # cuda: "step" = one graph per training step, "model" = compile's own
                                       # graphs around each model pass, "none"
+    bn_batch: int | None = None       # ghost batch norm: the student's batch norms normalise each of its batches in
+                                      # groups of this many images, each group with its own statistics, as the
+                                      # reference's per-device statistics under pmap (8 devices: 32); None: the
+                                      # whole batch. The teacher and evaluation use running statistics either way
     stack_student_calls: bool = True  # one student call over the labeled, perturbed and mixed batches,
                                       # each with its own batch-norm statistics (same result, faster)
     gpu_turns: bool = True            # packed with other trials on one GPU: each epoch's steps run in turns,
@@ -165,6 +169,9 @@ class TrainSettings:
         check(self.epochs >= 1, "train.epochs", "be >= 1", self.epochs)
         check(self.steps_per_epoch is None or self.steps_per_epoch >= 1, "train.steps_per_epoch",
               "be >= 1 or null", self.steps_per_epoch)
+        check(self.bn_batch is None or (self.bn_batch >= 2 and self.batch_size % self.bn_batch == 0),
+              "train.bn_batch", f"be null or an integer >= 2 that divides train.batch_size ({self.batch_size})",
+              self.bn_batch)
         check(self.eval_batch_size >= 1, "train.eval_batch_size", "be >= 1", self.eval_batch_size)
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
               "train.device", "be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)

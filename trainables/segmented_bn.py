@@ -16,6 +16,12 @@ batch norm; otherwise (and eagerly, where the native kernels are faster) each se
 ``F.batch_norm`` call and the results are concatenated. The one-pass calls leave their running-statistics
 updates to ``batch_segments``, which makes them for every layer at once when the call returns
 (``defer_stats``): a few foreach kernels instead of two or three small ones per layer.
+
+Ghost batch norm (``set_ghost_batch``, the config's ``train.bn_batch``): in training mode each batch is
+normalised in groups of ``ghost`` rows, each group with its own statistics, as the reference's per-device
+statistics were under ``pmap`` (8 devices: 32 of a 256 batch). A call's running statistics then move toward the
+mean over its groups of their means and variances, once per call, as an average over devices would. Stacked
+or not, compiled or eager, the groups run through the one-pass function.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     they are (the momentum-0 calls of the reference)."""
 
     segments: Segments | None = None
+    ghost: int | None = None  # training: rows per ghost batch (``set_ghost_batch``); None: the whole batch
     one_pass_eager = False   # the one-pass path also when not compiling (tests)
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
     # the one-pass path leaves its statistics to ``batch_segments``, which updates every layer's running statistics
@@ -44,15 +51,47 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     COMPILE_KEY_SWITCHES = ("fuse_relu", "defer_stats")   # those that change a compiled graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ghost is not None and self.training:
+            return self._ghost_batches(x)
         if self.segments is None or not self.training:
             return super().forward(x)
         return self._equal_segments(x) if self._one_pass(x) else self._split_segments(x)
 
     def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
         """``relu(self(x))``, with the ReLU inside the one-pass function when that path runs."""
+        if self.ghost is not None and self.training:
+            y = self._ghost_batches(x, relu=self.fuse_relu)
+            return y if self.fuse_relu else F.relu(y)
         if self.fuse_relu and self.segments is not None and self.training and self._one_pass(x):
             return self._equal_segments(x, relu=True)
         return F.relu(self(x))
+
+    def call_segments(self, x: torch.Tensor) -> Segments:
+        """The segments of this call: those of a stacked call, else the whole batch as one that updates."""
+        return self.segments if self.segments is not None else ((x.shape[0], True),)
+
+    def ghost_groups(self, x: torch.Tensor) -> int:
+        """How many ghost batches ``x`` holds; raises ValueError unless each segment is a whole number of them."""
+        segments = self.call_segments(x)
+        if x.dim() != 4 or any(n % self.ghost for n, _ in segments) or sum(n for n, _ in segments) != x.shape[0]:
+            raise ValueError(f"ghost batch norm of {self.ghost} rows needs batches of a multiple of {self.ghost}, "
+                             f"got segments {[n for n, _ in segments]} of an input of shape {tuple(x.shape)}")
+        return x.shape[0] // self.ghost
+
+    def ghost_stats(self, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> None:
+        """Track the per-group ``mean`` and biased ``var`` (groups, C) of a ghost call: averaged over each segment's
+        groups, once per segment (deferred inside ``batch_segments``; at once otherwise)."""
+        segments = self.call_segments(x)
+        counts = [n // self.ghost for n, _ in segments]
+        mean = torch.stack([m.mean(0) for m in mean.split(counts)])
+        var = torch.stack([v.mean(0) for v in var.split(counts)])
+        self._track(mean, var, self.ghost * x.shape[2] * x.shape[3], segments, defer=self.segments is not None)
+
+    def _ghost_batches(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        groups = self.ghost_groups(x)
+        y, mean, var = _EqualSegmentsBatchNorm.apply(x, self.weight, self.bias, groups, self.eps, relu)
+        self.ghost_stats(x, mean, var)
+        return y
 
     def _one_pass(self, x: torch.Tensor) -> bool:
         """Compiling, and equal segments that cover ``x`` with 2+ values per channel each, on a layer
@@ -80,15 +119,16 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
         self._track(mean, var, x.numel() // (s * self.num_features))
         return y
 
-    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int) -> None:
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, n: int, segments: Segments | None = None,
+               defer: bool = True) -> None:
         """The running statistics and batch counts of a one-pass call: ``mean`` and biased ``var`` (segments, C) over
-        ``n`` values per segment and channel; deferred to ``batch_segments`` with ``defer_stats``."""
-        if self.defer_stats:
+        ``n`` values per segment and channel; deferred to ``batch_segments`` with ``defer_stats`` (and ``defer``)."""
+        if self.defer_stats and defer:
             _DEFERRED.append((self, mean.detach(), var.detach(), n / (n - 1)))   # detached: outputs of no gradient
             return
         with torch.no_grad():
             var = var * (n / (n - 1))   # running variance is unbiased, as in F.batch_norm
-            for i, (_, update) in enumerate(self.segments):
+            for i, (_, update) in enumerate(segments or self.segments):
                 self.num_batches_tracked.add_(1)
                 if update:
                     self.running_mean.lerp_(mean[i].to(self.running_mean.dtype), self.momentum)
@@ -174,6 +214,11 @@ def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool
     """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
     (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype, and ``y`` holding
     both their channels."""
+    if (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
+            and bn_b.training and bn_a.ghost is not None):
+        return ((bn_a.one_pass_eager or torch.compiler.is_compiling()) and bn_a.ghost == bn_b.ghost and bn_a.segments == bn_b.segments and bn_a.eps == bn_b.eps
+                and bn_a.num_features == bn_b.num_features and bn_a.weight.dtype == bn_b.weight.dtype
+                and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features)
     return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
             and bn_b.training and bn_a.segments is not None and bn_a.segments == bn_b.segments
             and bn_a.eps == bn_b.eps and bn_a.num_features == bn_b.num_features
@@ -187,9 +232,13 @@ def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
     layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
     from trainables.bn_relu_pair import bn_relu_pair
 
-    s = len(bn_a.segments)
+    s = bn_a.ghost_groups(y) if bn_a.ghost is not None else len(bn_a.segments)
     ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,
                                                         bn_a.eps)
+    if bn_a.ghost is not None:
+        bn_a.ghost_stats(y, mean_a, var_a)
+        bn_b.ghost_stats(y, mean_b, var_b)
+        return ha, hb
     n = y.numel() // (s * y.shape[1])
     bn_a._track(mean_a, var_a, n)
     bn_b._track(mean_b, var_b, n)
@@ -209,6 +258,16 @@ def convert_batch_norm(model: nn.Module) -> nn.Module:
         else:
             convert_batch_norm(child)
     return model
+
+
+def set_ghost_batch(model: nn.Module, rows: int | None) -> None:
+    """Make every ``SegmentedBatchNorm2d`` of ``model`` normalise training batches in groups of ``rows`` (ghost batch
+    norm); None: each batch whole, as plain batch norm."""
+    if rows is not None and rows < 2:
+        raise ValueError(f"a ghost batch needs at least 2 rows, got {rows}")
+    for m in model.modules():
+        if isinstance(m, SegmentedBatchNorm2d):
+            m.ghost = rows
 
 
 def segmentable(model: nn.Module) -> list[SegmentedBatchNorm2d] | None:

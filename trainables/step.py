@@ -24,7 +24,7 @@ from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
 from trainables.fast_conv import TritonConv2d
 from trainables.models import ShakeShakeBlock
-from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable
+from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
 from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
@@ -231,6 +231,7 @@ class StepRunner:
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
         self.device, self.bf16 = device, bf16
+        set_ghost_batch(student, cfg.train.bn_batch)   # training-mode statistics only: the teacher is always in eval
         self.pairs = EmaPairs(teacher, student)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
@@ -403,6 +404,7 @@ class StepRunner:
                         self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
                         [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                         self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
+                        self.cfg.train.bn_batch,
                         self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
                         self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
                         sorted(self.inductor_options.get("student", {}).items()),

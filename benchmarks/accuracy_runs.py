@@ -1,0 +1,199 @@
+"""Accuracy runs packed on one GPU: launch several ``cowtune train`` runs at once, watch them, collect their curves.
+
+A GPU lease here lasts at most 30 minutes and nothing on the machine survives it, so a plan's runs start
+together in the background (their own process sessions) and a watcher, called again from back-to-back device
+calls, prints one table of where each run is and writes every run's per-epoch metrics into one JSON file:
+
+    python benchmarks/accuracy_runs.py launch --plan wrn28_2_paths --data .devdata/train.zip --dir /tmp/acc
+    python benchmarks/accuracy_runs.py watch --dir /tmp/acc --out $OUT --seconds 540
+    python benchmarks/accuracy_runs.py plot $OUT/curves.json --out docs/results/wrn28_2_paths.png   # here
+
+Each run is a plain ``cowtune train`` command (``commands.txt`` in the run folder lists them), so any number in
+docs/RESULTS.md can be reproduced one run at a time as well.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The search's proxy for the paper's setting: CIFAR-10 JPEGs, 1,000 labels, the 5,000-image holdout.
+HOLDOUT = ["data.dataset=imagefolder", "data.n_val=5000", "data.eval_split=val", "data.n_labeled=1000"]
+# The fast path off: eager float32 (TF32 convolutions, as PyTorch's default), one student call per batch,
+# cuDNN for every convolution, no CUDA graph, no side streams, NCHW.
+PLAIN = ["train.compile=false", "train.cuda_graph=none", "train.stack_student_calls=false",
+         "train.conv_kernels=cudnn", "train.precision=fp32", "train.wgrad_stream=false", "train.channels_last=false"]
+SUPERVISED = ["mix=null", "perturb=null"]
+
+
+def _schedule(epochs: int) -> list[str]:
+    """The paper's stepped schedule (x0.2 at 40%, x0.04 at 80% of 300 epochs) compressed to ``epochs``."""
+    return [f"train.epochs={epochs}", f"optim.steps=[[{0.4 * epochs:g}, 0.2], [{0.8 * epochs:g}, 0.04]]"]
+
+
+def _plan_wrn28_2_paths(epochs: int) -> dict[str, list[str]]:
+    """Fast path against the plain path (and float32 alone) on WRN-28-2 CowMix; a supervised baseline."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs)]
+    return {
+        "fast_s0": [*base, "seed=0"], "fast_s1": [*base, "seed=1"], "fast_s2": [*base, "seed=2"],
+        "plain_s0": [*base, "seed=0", *PLAIN], "plain_s1": [*base, "seed=1", *PLAIN],
+        "fast_fp32_s0": [*base, "seed=0", "train.precision=fp32"],
+        "supervised_s0": [*base, "seed=0", *SUPERVISED],
+        "fast_bn32_s0": [*base, "seed=0", "train.bn_batch=32"], "fast_bn32_s1": [*base, "seed=1", "train.bn_batch=32"],
+    }
+
+
+PLANS = {"wrn28_2_paths": (_plan_wrn28_2_paths, 60)}
+
+
+def launch(args: argparse.Namespace) -> None:
+    builder, default_epochs = PLANS[args.plan]
+    runs = builder(args.epochs or default_epochs)
+    if args.only:
+        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    data = str(Path(args.data).resolve())
+    lines = []
+    for name, overrides in runs.items():
+        cmd = [sys.executable, "-m", "trainables.cli", "train", args.config, "--out", str(root / name),
+               "--set", f"data.root={data}"] + [a for o in overrides + list(args.set) for a in ("--set", o)]
+        log = open(root / f"{name}.log", "w")
+        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines.append(f"{name}: cowtune train {args.config} --set data.root={args.data} "
+                     + " ".join(f"--set {o}" for o in overrides + list(args.set)))
+    (root / "commands.txt").write_text("\n".join(lines) + "\n")
+    (root / "plan.json").write_text(json.dumps({"plan": args.plan, "runs": runs, "started": _now()}, indent=1))
+    print(f"launched {len(runs)} runs of {args.plan} in {root}")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _machine() -> dict[str, str]:
+    out = {"date": _now()}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       check=False).stdout.strip()
+    except OSError:
+        pass
+    return out
+
+
+def collect(root: Path) -> dict:
+    plan = json.loads((root / "plan.json").read_text())
+    runs = {}
+    for name in plan["runs"]:
+        path = root / name / "metrics.jsonl"
+        history = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        log = (root / f"{name}.log").read_text(errors="replace").splitlines() if (root / f"{name}.log").exists() else []
+        runs[name] = {"overrides": plan["runs"][name], "history": history, "log_tail": log[-6:],
+                      "done": (root / name / "result.json").exists()}
+    return {"plan": plan["plan"], "started": plan["started"], "machine": _machine(),
+            "commands": (root / "commands.txt").read_text(), "runs": runs}
+
+
+def _err(h: dict, who: str) -> float | None:
+    key = next((k for k in (f"val/error_{who}", f"test/error_{who}") if k in h), None)
+    return None if key is None else 100 * h[key]
+
+
+def table(curves: dict) -> str:
+    rows = [f"{'run':<16} {'epoch':>7} {'teacher':>8} {'student':>8} {'best T':>7} {'steps/s':>8}  state"]
+    for name, r in curves["runs"].items():
+        h = r["history"]
+        if not h:
+            rows.append(f"{name:<16} {'-':>7} {'':>8} {'':>8} {'':>7} {'':>8}  " + (r["log_tail"][-1][:60] if r["log_tail"] else "no log"))
+            continue
+        last = h[-1]
+        best = min(_err(x, "teacher") for x in h)
+        epochs = json.loads(json.dumps(r["overrides"]))
+        total = next((o.split("=")[1] for o in epochs if o.startswith("train.epochs=")), "?")
+        rows.append(f"{name:<16} {int(last['epoch']):>3}/{total:<3} {_err(last, 'teacher'):>7.2f}% "
+                    f"{_err(last, 'student'):>7.2f}% {best:>6.2f}% {last.get('train/steps_per_s', 0):>8.1f}  "
+                    + ("done" if r["done"] else "running"))
+    return "\n".join(rows)
+
+
+def watch(args: argparse.Namespace) -> None:
+    root, out = Path(args.dir), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_end = time.monotonic() + args.seconds
+    while True:
+        curves = collect(root)
+        (out / "curves.json").write_text(json.dumps(curves))
+        done = all(r["done"] for r in curves["runs"].values())
+        print(f"--- {_now()}\n{table(curves)}", flush=True)
+        if done or time.monotonic() + args.every > t_end:
+            break
+        time.sleep(args.every)
+    logs = "\n\n".join(f"== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-40:])
+                       for p in sorted(root.glob("*.log")))
+    (out / "logs.txt").write_text(logs)
+
+
+def plot(args: argparse.Namespace) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = json.loads(Path(args.curves).read_text())
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in curves["runs"].items():
+        h = r["history"]
+        if h:
+            ax.plot([x["epoch"] for x in h], [_err(x, "teacher") for x in h], label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("teacher error on the holdout (%)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    m = curves["machine"]
+    ax.set_title(f"{curves['plan']}: {m.get('gpu', 'cpu')}, {m['date'][:10]}, commit {m.get('commit', '?')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(required=True)
+    p = sub.add_parser("launch", help="start a plan's runs in the background")
+    p.add_argument("--plan", required=True, choices=sorted(PLANS))
+    p.add_argument("--data", required=True, help="the CIFAR-10 JPEG zip (or ImageFolder tree)")
+    p.add_argument("--dir", required=True, help="where the runs write")
+    p.add_argument("--config", default="cifar10_cowmix", help="preset or YAML the overrides apply to")
+    p.add_argument("--epochs", type=int, help="schedule length (default: the plan's)")
+    p.add_argument("--only", help="comma-separated run names of the plan")
+    p.add_argument("--set", action="append", default=[], help="an override added to every run")
+    p.set_defaults(func=launch)
+    p = sub.add_parser("watch", help="print a table every --every s until done or --seconds pass; write curves")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seconds", type=float, default=540)
+    p.add_argument("--every", type=float, default=60)
+    p.set_defaults(func=watch)
+    p = sub.add_parser("plot", help="learning curves of a curves.json as a PNG")
+    p.add_argument("curves")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=plot)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
