@@ -48,7 +48,15 @@ def _plan_wrn28_2_paths(epochs: int) -> dict[str, list[str]]:
     }
 
 
-PLANS = {"wrn28_2_paths": (_plan_wrn28_2_paths, 60)}
+def _plan_wrn28_2_bn_batch(epochs: int) -> dict[str, list[str]]:
+    """Ghost batch norm on WRN-28-2 CowMix (fast path): 32 (the reference's 8-device pmap) on more seeds, and 64."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), "train.tune_kernels=false"]
+    return {"fast_bn32_s1": [*base, "seed=1", "train.bn_batch=32"],
+            "fast_bn32_s2": [*base, "seed=2", "train.bn_batch=32"],
+            "fast_bn64_s0": [*base, "seed=0", "train.bn_batch=64"]}
+
+
+PLANS = {"wrn28_2_paths": (_plan_wrn28_2_paths, 60), "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60)}
 
 
 def launch(args: argparse.Namespace) -> None:
