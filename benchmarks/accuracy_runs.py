@@ -159,18 +159,21 @@ def plot(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = json.loads(Path(args.curves).read_text())
+    files = [json.loads(Path(f).read_text()) for f in args.curves]
+    curves = files[0]
+    runs = {name: r for c in files for name, r in c["runs"].items()}
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in curves["runs"].items():
+    for name, r in sorted(runs.items()):
         h = r["history"]
-        if h:
-            ax.plot([x["epoch"] for x in h], [_err(x, "teacher") for x in h], label=name)
+        if h and (not args.runs or name in args.runs.split(",")):
+            style = "--" if "plain" in name else ":" if "supervised" in name else "-"
+            ax.plot([x["epoch"] for x in h], [_err(x, "teacher") for x in h], style, label=name)
     ax.set_xlabel("epoch")
     ax.set_ylabel("teacher error on the holdout (%)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     m = curves["machine"]
-    ax.set_title(f"{curves['plan']}: {m.get('gpu', 'cpu')}, {m['date'][:10]}, commit {m.get('commit', '?')}")
+    ax.set_title(args.title or f"{curves['plan']}: {m.get('gpu', 'cpu')}, {m['date'][:10]}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
@@ -196,8 +199,10 @@ def main() -> None:
     p.add_argument("--every", type=float, default=60)
     p.set_defaults(func=watch)
     p = sub.add_parser("plot", help="learning curves of a curves.json as a PNG")
-    p.add_argument("curves")
+    p.add_argument("curves", nargs="+", help="one or more curves.json (their runs drawn together)")
     p.add_argument("--out", required=True)
+    p.add_argument("--runs", help="comma-separated run names to draw (default: all)")
+    p.add_argument("--title")
     p.set_defaults(func=plot)
     args = parser.parse_args()
     args.func(args)

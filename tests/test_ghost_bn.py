@@ -122,3 +122,15 @@ def test_runner_sets_ghost_batches_on_the_student_only(model):
     torch.manual_seed(1)
     b = whole(x)
     assert not torch.allclose(a, b, atol=1e-3)
+
+
+def test_ghost_batches_are_not_paired(monkeypatch):
+    """Ghost batch norm runs each layer through the one-pass function on its own, never the paired kernels."""
+    from trainables.segmented_bn import pairs_in_one_pass
+    monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
+    a, b = _layer(None), _layer(None)
+    y = torch.randn(8, 6, 4, 4)
+    with batch_segments([a, b], ((4, True), (4, True))):
+        assert pairs_in_one_pass(a, b, y)
+        a.ghost = b.ghost = 2
+        assert not pairs_in_one_pass(a, b, y)

@@ -30,7 +30,7 @@ METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --prese
 # The objective's data: a stratified 5,000-image holdout of the training split, never the test split.
 HOLDOUT = ("data.n_val=5000", "data.eval_split=val")
 SMOKE = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50, "eval_split": "val"},
-         "train": {"epochs": 2, "steps_per_epoch": 3, "batch_size": 16, "eval_batch_size": 256}}
+         "train": {"epochs": 2, "steps_per_epoch": 3, "batch_size": 16, "eval_batch_size": 256, "bn_batch": None}}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,8 @@ Ghost batch norm (``set_ghost_batch``, the config's ``train.bn_batch``): in trai
 normalised in groups of ``ghost`` rows, each group with its own statistics, as the reference's per-device
 statistics were under ``pmap`` (8 devices: 32 of a 256 batch). A call's running statistics then move toward the
 mean over its groups of their means and variances, once per call, as an average over devices would. Stacked
-or not, compiled or eager, the groups run through the one-pass function.
+or not, compiled or eager, the groups run through the one-pass function (layer by layer: not paired with
+``bn_relu_pair``).
 """
 from __future__ import annotations
 
@@ -214,13 +215,9 @@ def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool
     """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
     (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype, and ``y`` holding
     both their channels."""
-    if (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
-            and bn_b.training and bn_a.ghost is not None):
-        return ((bn_a.one_pass_eager or torch.compiler.is_compiling()) and bn_a.ghost == bn_b.ghost and bn_a.segments == bn_b.segments and bn_a.eps == bn_b.eps
-                and bn_a.num_features == bn_b.num_features and bn_a.weight.dtype == bn_b.weight.dtype
-                and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features)
     return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
-            and bn_b.training and bn_a.segments is not None and bn_a.segments == bn_b.segments
+            and bn_b.training and bn_a.ghost is None and bn_b.ghost is None   # ghost batches: each layer on its own
+            and bn_a.segments is not None and bn_a.segments == bn_b.segments
             and bn_a.eps == bn_b.eps and bn_a.num_features == bn_b.num_features
             and bn_a.weight.dtype == bn_b.weight.dtype and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features
             and bn_a._one_pass(y) and bn_b._one_pass(y))
@@ -232,13 +229,9 @@ def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
     layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
     from trainables.bn_relu_pair import bn_relu_pair
 
-    s = bn_a.ghost_groups(y) if bn_a.ghost is not None else len(bn_a.segments)
+    s = len(bn_a.segments)
     ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,
                                                         bn_a.eps)
-    if bn_a.ghost is not None:
-        bn_a.ghost_stats(y, mean_a, var_a)
-        bn_b.ghost_stats(y, mean_b, var_b)
-        return ha, hb
     n = y.numel() // (s * y.shape[1])
     bn_a._track(mean_a, var_a, n)
     bn_b._track(mean_b, var_b, n)
