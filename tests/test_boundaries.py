@@ -6,7 +6,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PURE = sorted((ROOT / "trainables" / "ssl").glob("*.py")) + sorted((ROOT / "trainables" / "data").glob("*.py")) + [
-    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "models.py", "config.py", "optim.py")
+    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "models.py", "config.py", "optim.py", "evaluate.py")
 ]
 FORBIDDEN = {"ray", "mlflow", "optuna"}
 

@@ -1,4 +1,4 @@
-"""The ``cowtune`` command line: train one config, draw masks, list what exists."""
+"""The ``cowtune`` command line: train one config, score a trained run, draw masks, list what exists."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = fit(cfg, out, restart=args.restart)
     print(json.dumps({k: v for k, v in result["final"].items() if "/" in k}, indent=2))
     print(f"done: results in {out}/result.json, checkpoint {out}/checkpoint.pt")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from trainables.evaluate import evaluate_checkpoint
+
+    if args.json and not Path(args.json).expanduser().parent.is_dir():   # before the compute, not after it
+        raise ConfigError(f"--json must be a file in an existing folder, got {args.json!r}")
+    result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.device, args.train_data)
+    if args.json:
+        Path(args.json).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -91,6 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--restart", action="store_true", help="ignore an existing checkpoint in --out")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and stop")
     train.set_defaults(func=_cmd_train)
+
+    evaluate = sub.add_parser(
+        "evaluate", help="score a trained run's teacher and student on a folder or .zip of labelled images",
+        description="Score a run's teacher and student (top-1 error, mean cross-entropy) on labelled images, "
+                    "prepared as the run evaluated its own: its class order, normalisation and resize or crop.",
+        epilog="DIR layouts: <class>/<image> (every image is scored), or train/ and test/ (or val/) each holding "
+               "<class>/<image> (only test/ is scored, else val/, else train/), as a folder or a .zip; a folder "
+               "wrapping the tree is skipped. Class folders must be named as the training's classes (a subset is "
+               "fine). Example: cowtune evaluate --checkpoint runs/fast-cowmix-seed0 --data cifar10_test.zip")
+    evaluate.add_argument("--checkpoint", required=True, metavar="CKPT",
+                          help="a run's checkpoint.pt, or the run folder holding it")
+    evaluate.add_argument("--data", required=True, metavar="DIR", help="a folder or .zip of labelled images (below)")
+    evaluate.add_argument("--batch-size", type=int, metavar="N", help="images per batch (default: the run's "
+                          "train.eval_batch_size)")
+    evaluate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                          help="where to run the models (default auto: a GPU when there is one)")
+    evaluate.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    evaluate.add_argument("--train-data", metavar="PATH",
+                          help="only for an ImageFolder run whose checkpoint predates recorded class names and "
+                               "normalisation: its training tree or .zip, to recompute them (default: its data.root)")
+    evaluate.set_defaults(func=_cmd_evaluate)
 
     masks = sub.add_parser("masks", help="write a gallery PNG (and optionally .npy) of masks")
     masks.add_argument("--kind", choices=("cow", "box"), default="cow", help="CowMask, or CutMix's boxes (default cow)")

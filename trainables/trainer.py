@@ -23,7 +23,7 @@ import torch
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import TrainData, check_dataset, prepare_data, stream_seed
+from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
 from trainables.fast_conv import apply_conv_kernels
 from trainables.gpu_turns import gpu_identity, gpu_turn
 from trainables.legacy_checkpoints import upgrade_optimizer_state
@@ -250,6 +250,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
             "config": cfg.to_dict(), "epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch,
             "student": student.state_dict(), "teacher": teacher.state_dict(),
             "optimizer": optimizer.state_dict(), "history": history, "split_hashes": data.split_hashes,
+            "data": data_record(data),   # class names, normalisation, input shape: for `cowtune evaluate`
             "rng": {"torch": torch.get_rng_state(), "mask_generator": runner.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
         }, ckpt_path)

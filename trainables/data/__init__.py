@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from trainables.data.batches import Batch, TrainData, epoch_order, normalise, stream_seed
+from trainables.data.batches import Batch, TrainData, data_record, epoch_order, normalise, stream_seed
 from trainables.data.device import DeviceData, crop_flip_params, gather_crops, window_indices
-from trainables.data.image_files import FileImages
+from trainables.data.image_files import FileImages, ScoredImages, scored_images
 from trainables.data.loader import (EVAL_CROP, INCEPTION_RATIO, INCEPTION_SCALE, LOADER_IMAGE_SIZE, LoaderData,
                                     eval_view, inception_box, train_view)
 from trainables.data.sources import (DATASETS, NORMALISATION, SMALL_IMAGE_MAX, TORCHVISION_FILES, TRAIN_SIZES,
@@ -48,9 +48,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Batch", "DATASETS", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
     "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
-    "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_dataset", "check_source", "crop_flip_params", "epoch_order",
+    "ScoredImages", "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_dataset", "check_source",
+    "crop_flip_params", "data_record", "epoch_order",
     "eval_view", "gather_crops", "inception_box", "load_raw", "make_splits", "normalise", "prepare_data",
-    "register_dataset", "stream_seed", "train_size", "train_view", "warm_decode_cache", "window_indices",
+    "register_dataset", "scored_images", "stream_seed", "train_size", "train_view", "warm_decode_cache",
+    "window_indices",
 ]
 
 

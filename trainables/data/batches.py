@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -38,8 +38,11 @@ class Batch:
 class TrainData(Protocol):
     """What ``prepare_data`` returns; ``DeviceData`` and ``LoaderData`` implement it."""
     num_classes: int
-    class_names: list[str]
+    class_names: list[str]              # in label order
     image_shape: tuple[int, int, int]   # (C, H, W) of training batches
+    mean: tuple[float, ...]             # per-channel normalisation on the 0..1 scale
+    std: tuple[float, ...]
+    pipeline: str                       # "device" or "loader"
     sizes: dict[str, int]               # train, val, labeled, unlabeled, test (0 = none)
     split_hashes: dict[str, str]        # val, labeled, unlabeled -> 16 hex chars
 
@@ -48,6 +51,16 @@ class TrainData(Protocol):
                       augment_twice: bool) -> Iterator[Batch]: ...
     def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]: ...
     def describe(self) -> str: ...
+
+
+def data_record(data: TrainData) -> dict[str, Any]:
+    """What a checkpoint keeps of its training data, so that its model can score other images the way it was
+    evaluated (``cowtune evaluate``): class names in label order, per-channel mean and std (0..1 scale), the
+    input shape (C, H, W) and the pipeline ("device": native size or resized to it; "loader": centre crop).
+    Lists, strings and numbers only: a checkpoint holding it loads with ``torch.load(weights_only=True)``."""
+    return {"class_names": [str(c) for c in data.class_names], "mean": [float(v) for v in data.mean],
+            "std": [float(v) for v in data.std], "image_shape": [int(v) for v in data.image_shape],
+            "pipeline": str(data.pipeline)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class DeviceData:
     kernels: +1.2% in the step on an H100.)
     """
 
+    pipeline = "device"   # ``data.pipeline``'s name for it: how an evaluation image is resized
+
     def __init__(self, raw: RawDataset, splits: Splits, flip: bool, pad: int, device: torch.device,
                  image_size: int | None = None, chunk_steps: int = 8, compiled: bool | None = None):
         check(chunk_steps >= 1, "chunk_steps", "be >= 1", chunk_steps)
@@ -118,6 +120,7 @@ class DeviceData:
         check(pad < min(h, w), "data.pad", f"be smaller than the image side ({min(h, w)})", pad)
         self._index = {k: torch.from_numpy(getattr(splits, k)).to(device) for k in ("val", "labeled", "unlabeled")}
         self._scale, self._shift = _norm_constants(raw.mean, raw.std, device)
+        self.mean, self.std = tuple(float(v) for v in raw.mean), tuple(float(v) for v in raw.std)
         self.num_classes, self.class_names = len(raw.class_names), list(raw.class_names)
         self.image_shape = (int(c), int(h), int(w))
         self.sizes = _sizes(raw, splits)

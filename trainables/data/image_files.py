@@ -64,8 +64,8 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(_IMAGE_EXTS) and not any(p.startswith(".") for p in name.split("/"))
 
 
-def _list_images(root: str, shown: str) -> list[str]:
-    """Relative paths (with '/') of the image files under a folder or inside a .zip, sorted."""
+def _list_images(root: str, shown: str, field: str = "data.root") -> list[str]:
+    """Relative paths (with '/') of the image files under a folder or inside a .zip, sorted; errors name ``field``."""
     if os.path.isdir(root):
         out = []
         for d, _, files in os.walk(root, followlinks=True):
@@ -74,9 +74,9 @@ def _list_images(root: str, shown: str) -> list[str]:
     elif os.path.isfile(root) and zipfile.is_zipfile(root):
         out = _zip_handle(root).namelist()
     else:
-        raise ConfigError(f"data.root must be an ImageFolder tree or a .zip of one, got {shown!r} (not found)")
+        raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (not found)")
     out = sorted(n for n in out if _is_image(n))
-    check(len(out) > 0, "data.root", f"hold image files ({', '.join(_IMAGE_EXTS)}) in class folders", shown)
+    check(len(out) > 0, field, f"hold image files ({', '.join(_IMAGE_EXTS)}) in class folders", shown)
     return out
 
 
@@ -87,10 +87,7 @@ def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], l
     ``test/`` (else ``val/``) is the test split; otherwise every first-level folder is a class.
     ``key`` is the path below the skipped prefix: the same tree as a folder or a zip gives the same keys.
     """
-    parts = [n.split("/") for n in names]
-    while (all(len(p) >= 3 for p in parts) and len({p[0] for p in parts}) == 1
-           and parts[0][0] not in _SPLIT_DIRS):
-        parts = [p[1:] for p in parts]
+    parts, _ = _skip_wrappers([n.split("/") for n in names])
     entries = [(n, p) for n, p in zip(names, parts) if len(p) >= 2]
     if any(p[0] == "train" and len(p) >= 3 for _, p in entries):
         test_dir = "test" if any(p[0] == "test" for _, p in entries) else "val"
@@ -103,6 +100,54 @@ def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], l
     extra = sorted({c for _, c, _ in test} - set(classes))
     check(not extra, "data.root", f"have no test classes missing from train ({', '.join(extra)})", shown)
     return train, test, classes
+
+
+def _skip_wrappers(parts: list[list[str]]) -> tuple[list[list[str]], int]:
+    """Path parts below the leading folders every path shares (e.g. a zip wrapping the tree), down to the split
+    or class folders, and how many were skipped."""
+    skipped = 0
+    while (all(len(p) >= 3 for p in parts) and len({p[0] for p in parts}) == 1
+           and parts[0][0] not in _SPLIT_DIRS):
+        parts, skipped = [p[1:] for p in parts], skipped + 1
+    return parts, skipped
+
+
+@dataclass(frozen=True)
+class ScoredImages:
+    """The images of a tree to score a model on: ``files`` and each one's class folder name (``classes``).
+
+    folder: where they lie below the tree's root ('' for the root itself, else e.g. 'test' or 'cifar10/test').
+    ignored: the other top-level folders beside a split folder, not scored (e.g. ['train']).
+    """
+    files: FileImages
+    classes: list[str]
+    folder: str
+    ignored: list[str]
+
+
+def scored_images(root: str, shown: str, field: str) -> ScoredImages:
+    """The images to score in the folder or .zip ``root`` (absolute; ``shown`` as the user gave it).
+
+    A tree with split folders (``train/``, ``test/``, ``val/`` holding class folders) is scored on ``test/``, else
+    ``val/``, else ``train/`` alone; otherwise every first-level folder is a class and all its images are scored.
+    A common leading folder is skipped, as in training (``_layout``).
+
+    Raises:
+        ConfigError naming ``field``: not found, no image files, no images in class folders.
+    """
+    names = _list_images(root, shown, field)
+    parts, skipped = _skip_wrappers([n.split("/") for n in names])
+    splits = {p[0] for p in parts if len(p) >= 3 and p[0] in _SPLIT_DIRS}
+    split = next((s for s in ("test", "val", "train") if s in splits), None)
+    if split is None:
+        picked = [(n, p[0]) for n, p in zip(names, parts) if len(p) >= 2]
+        ignored: list[str] = []
+    else:
+        picked = [(n, p[1]) for n, p in zip(names, parts) if len(p) >= 3 and p[0] == split]
+        ignored = sorted({p[0] for p in parts if len(p) >= 2} - {split})
+    check(len(picked) > 0, field, "hold images in class folders (<class>/<image>, or test/<class>/<image>)", shown)
+    folder = "/".join(names[0].split("/")[:skipped] + ([split] if split else []))
+    return ScoredImages(FileImages(root, np.array([n for n, _ in picked])), [c for _, c in picked], folder, ignored)
 
 
 def _cache_dir() -> Path:

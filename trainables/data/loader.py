@@ -160,6 +160,8 @@ class LoaderData:
     batches do not depend on the number of workers.
     """
 
+    pipeline = "loader"   # ``data.pipeline``'s name for it: how an evaluation image is resized
+
     def __init__(self, raw: RawDataset, splits: Splits, flip: bool, image_size: int, colour_jitter: bool,
                  workers: int, device: torch.device):
         self.name, self.device, self.flip, self.splits = raw.name, device, flip, splits
@@ -172,6 +174,7 @@ class LoaderData:
         self._eval = _EvalItems(sources, image_size)
         self._loaders: dict[str, tuple[torch.utils.data.DataLoader, _Batches]] = {}
         self._scale, self._shift = _norm_constants(raw.mean, raw.std, device)
+        self.mean, self.std = tuple(float(v) for v in raw.mean), tuple(float(v) for v in raw.std)
         self.num_classes, self.class_names = len(raw.class_names), list(raw.class_names)
         self.image_shape = (3, image_size, image_size)
         self.sizes = _sizes(raw, splits)
