@@ -103,6 +103,68 @@ def test_final_trains_seeds_on_test_split_and_writes_table(search, search_env, m
     assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"final_table.md", "final_results.json"}
 
 
+def test_a_search_or_final_run_again_with_other_settings_names_them(search, search_env, mlflow_server, digits_tree):
+    """The same name with other settings is refused before Ray starts, exit status 2, naming what differs; the
+    parent run records its settings as parameters (what the MLflow UI shows)."""
+    tmp = search[0]
+    again = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                            "--trials", "4", "--concurrency", "1", "--name", "e2e", "--storage", str(tmp / "ray")],
+                           env=search_env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "was started with other settings (differs in: search.trials (3 -> 4))" in again.stderr
+    assert "Traceback" not in again.stderr and "Ray" not in again.stdout
+    client, parents, _ = runs_of(mlflow_server, "e2e")
+    assert parents[0].data.params["search.trials"] == "3" and parents[0].data.params["config.model"] == "cnn_tiny"
+    if not (tmp / "promoted.yaml").exists():
+        run_checked([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp / "promoted.yaml")], search_env, tmp)
+    final = [*COWTUNE, "final", "--config", str(tmp / "promoted.yaml"), "--datasets", f"imagefolder={digits_tree}",
+             "--labels", "20", "--seeds", "1", "--no-supervised", "--name", "fin-val", "--storage", str(tmp / "ray"),
+             "--out", str(tmp / "final-val"), "--set", "data.n_val=100", "--set", "data.eval_split=val"]
+    out = run_checked(final, search_env, tmp)
+    assert "1/1 runs finished" in out.stdout, out.stdout[-2000:]          # scored on its holdout, and counted
+    table = (tmp / "final-val" / "final_table.md").read_text()
+    assert "Holdout error %" in table and table.count("(n=1)") == 1
+    other = subprocess.run([*final[:final.index("--seeds") + 1], "2", *final[final.index("--seeds") + 2:]],
+                           env=search_env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "differs in: final.seeds (1 -> 2)" in other.stderr, other.stderr
+    assert (tmp / "final-val" / "final_table.md").read_text() == table   # the old table is left as it was
+
+
+def test_final_on_data_without_a_test_split_is_refused_before_ray(search, search_env):
+    tmp = search[0]
+    if not (tmp / "promoted.yaml").exists():
+        run_checked([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp / "promoted.yaml")], search_env, tmp)
+    out = subprocess.run([*COWTUNE, "final", "--config", str(tmp / "promoted.yaml"), "--datasets", "digits=unused",
+                          "--labels", "20", "--seeds", "1", "--name", "fin-digits", "--storage", str(tmp / "ray")],
+                         env=search_env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "dataset 'digits' (unused) has no test split to report" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp / "ray" / "fin-digits").exists()
+
+
+def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
+    """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
+    training, Ray or registry change (promote moved the alias before it failed to write, once)."""
+    tmp = search[0]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    client = MlflowClient(mlflow_server)
+    before = [(v.version, v.aliases) for v in client.search_model_versions("name='e2e'")]
+
+    def refused(cmd, message):
+        out = subprocess.run(cmd, env=search_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+    refused([*COWTUNE, "promote", "--search", "e2e", "--out", str(blocker / "p.yaml")],
+            f"--out {blocker / 'p.yaml'} lies under the file {blocker}")
+    refused([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp_path)], f"--out {tmp_path} is a folder")
+    assert [(v.version, v.aliases) for v in client.search_model_versions("name='e2e'")] == before
+    refused([*COWTUNE, "final", "--config", str(blocker), "--datasets", "digits=x", "--out", str(blocker / "t")],
+            f"--out {blocker / 't'} lies under the file {blocker}")
+    refused([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test", "--storage",
+             str(blocker)], f"--storage {blocker} is a file")
+
+
 def test_embedded_defaults_local_ray_sqlite_and_artifacts_under_cwd(tmp_path):
     """No settings at all: Ray starts locally, MLflow writes ./mlflow.db and ./mlartifacts (the laptop path)."""
     import os

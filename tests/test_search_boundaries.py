@@ -4,7 +4,8 @@ from pathlib import Path
 from test_boundaries import FORBIDDEN, imported_roots
 
 ROOT = Path(__file__).resolve().parents[1]
-GLUE = {"tune_trainable.py", "search.py", "experiments.py", "tracking.py", "promote.py", "final_job.py", "ddp.py"}
+GLUE = {"tune_trainable.py", "search.py", "experiments.py", "tracking.py", "promote.py", "final_job.py", "ddp.py",
+        "job_settings.py"}
 
 
 def test_only_glue_modules_import_the_search_stack():

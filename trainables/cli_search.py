@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, writable_folder
 
 
 def _datasets(text: str) -> dict[str, str]:
@@ -43,10 +43,14 @@ def _cmd_final(args: argparse.Namespace) -> int:
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")
     name = args.name or f"{Path(args.config).stem}-final"
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
-    run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set, name, storage,
-              args.out or str(Path("final") / name), args.cpus_per_trial, args.concurrency, args.ddp_workers,
-              check_data=not args.skip_data_check)
-    return 0
+    out = args.out or str(Path("final") / name)
+    writable_folder(out, "--out")   # before any run trains: the table is written at the end
+    if "://" not in storage:
+        writable_folder(storage, "--storage")
+    _, _, failed = run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set,
+                             name, storage, out, args.cpus_per_trial,
+                             args.concurrency, args.ddp_workers, check_data=not args.skip_data_check)
+    return 1 if failed else 0   # the table holds the runs that finished; the failed ones were listed
 
 
 def add_search_commands(sub: argparse._SubParsersAction) -> None:

@@ -15,6 +15,7 @@ from ray import tune
 from trainables import metrics as M
 from trainables import tracking
 from trainables.curves import CURVE_FILE, learning_curve_png
+from trainables.job_settings import check_same_settings, experiment_path, log_params, setting_params
 
 
 class FinishChildRuns(tune.Callback):
@@ -70,20 +71,29 @@ def init_ray() -> None:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)   # never a stale `ray start`
 
 
-def open_experiment(name: str, storage: str, tags: dict[str, str]) -> tuple[str, str, str, str, bool]:
+def open_experiment(name: str, storage: str, tags: dict[str, str],
+                    settings: dict[str, Any] | None = None) -> tuple[str, str, str, str, bool]:
     """The MLflow experiment and parent run and the Ray experiment path of a search or final job: both
     re-opened when the Ray experiment can be restored. Returns (uri, experiment id, experiment path,
-    parent run id, restoring); refuses to restore one whose ``cowtune.fingerprint`` tag differs."""
+    parent run id, restoring).
+
+    ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters.
+    Restoring a job whose recorded settings (or, for a parent run from before they were recorded, whose
+    ``cowtune.fingerprint`` tag) differ is refused with a ConfigError naming the fields that differ, before Ray
+    starts."""
     uri = tracking.resolve_tracking_uri()
     experiment_id = tracking.ensure_experiment(uri, name)
-    exp_path = f"{storage}/{name}" if "://" in storage else str(Path(storage).resolve() / name)
-    init_ray()
+    exp_path = experiment_path(name, storage)
     restoring = tune.Tuner.can_restore(exp_path)
     parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
-    if parent is not None and parent.data.tags.get("cowtune.fingerprint") != tags.get("cowtune.fingerprint"):
-        raise SystemExit(f"{exp_path} exists with other settings; pass --name NEW to start another run")
+    params = setting_params(settings or {})
+    if parent is not None:
+        check_same_settings(exp_path, parent, params, tags)
+    init_ray()
     parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if parent is not None else None)
+    if parent is None and params:
+        log_params(uri, parent_id, params)
     if parent is not None:
         end_orphaned_runs(uri, experiment_id, parent_id, exp_path)
     return uri, experiment_id, exp_path, parent_id, restoring

@@ -17,9 +17,10 @@ from typing import Any
 
 from trainables.config import DataConfig, TrainConfig
 from trainables.data import check_source
+from trainables.data.sources import has_test_split
 from trainables.presets import apply_overrides
 from trainables.trainer import check_names
-from trainables.validation import ConfigError, check
+from trainables.validation import ConfigError, check, flatten
 
 # Paper tables (test error %, mean, std over 5 runs); -1 = all labels; ImageNet: top-1 with 10% labels.
 PAPER: dict[str, dict[int, dict[str, tuple[float, float | None]]]] = {
@@ -93,8 +94,26 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
                         check_names(cfg)
                         if check_data and n_train is None:
                             check_source(cfg.data)
+                        if check_data and cfg.data.eval_split == "test" and has_test_split(cfg.data) is False:
+                            raise ConfigError(
+                                f"dataset '{name}' ({root}) has no test split to report: give a tree with train/ and "
+                                "test/, or report a holdout with --set data.n_val=N --set data.eval_split=val")
                     out.append({"config": d, "dataset": name, "labels": n, "method": method, "seed": seed})
     return out
+
+
+def final_settings(promoted: dict[str, Any], datasets: dict[str, str], labels: list[int] | None, seeds: int,
+                   supervised: bool, overrides: list[str]) -> dict[str, Any]:
+    """What a final job computes, field by field: recorded with its MLflow parent run, compared when the same
+    name runs again (``trainables.experiments.check_resumable``)."""
+    config = TrainConfig.from_dict(promoted).to_dict()
+    return {**{f"config.{k}": v for k, v in flatten(config).items()}, "final.datasets": datasets,
+            "final.labels": labels, "final.seeds": seeds, "final.supervised": supervised, "final.set": list(overrides)}
+
+
+def error_metric(config: dict[str, Any]) -> str:
+    """The metric a final run is scored by: the teacher's error on its evaluation split."""
+    return f"{config['data']['eval_split']}/error_teacher"
 
 
 def summarize(records: list[dict[str, Any]], method: str) -> tuple[list[dict[str, Any]], str]:
@@ -120,7 +139,9 @@ def summarize(records: list[dict[str, Any]], method: str) -> tuple[list[dict[str
         label = "all" if n == -1 else "10%" if n == IMAGENET_LABELS else str(n)
         lines.append(f"| {ds} | {label} | {cell(ours.get('promoted'))} | {cell(ours.get('supervised'))} | "
                      f"{cell(paper.get(method))} | {cell(paper.get('supervised'))} |")
-    return rows, "\n".join(lines) + "\n\nTest error % (teacher), mean ± std over labeled subsets (seeds).\n"
+    splits = {r.get("split", "test") for r in records}
+    what = "Test error" if splits == {"test"} else "Holdout error" if splits == {"val"} else "Error (test or holdout)"
+    return rows, "\n".join(lines) + f"\n\n{what} % (teacher), mean ± std over labeled subsets (seeds).\n"
 
 
 def save_table(out_dir: Path, records: list[dict[str, Any]], method: str) -> tuple[Path, str]:

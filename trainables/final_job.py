@@ -9,8 +9,12 @@ import yaml
 from ray import tune
 
 from trainables import tracking
-from trainables.final import final_configs, save_table
+import hashlib
+import json
+
+from trainables.final import error_metric, final_configs, final_settings, save_table
 from trainables.experiments import FinishChildRuns, open_experiment
+from trainables.job_settings import check_resumable
 from trainables.config import TrainConfig
 from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 
@@ -18,13 +22,16 @@ from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_res
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
               overrides: list[str], name: str, storage: str, out_dir: str, cpus_per_trial: int = 1,
               concurrency: int | None = None, ddp_workers: int | None = None,
-              check_data: bool = True) -> tuple[list[dict[str, Any]], str]:
+              check_data: bool = True) -> tuple[list[dict[str, Any]], str, int]:
     promoted = yaml.safe_load(Path(config_path).read_text())
     method = TrainConfig.from_dict(promoted).method
     runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides, check_data)   # fails before Ray
     storage = storage if "://" in storage else str(Path(storage).resolve())
-    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(
-        name, storage, {"cowtune.search": name, "cowtune.final": config_path, "method": method})
+    settings = final_settings(promoted, datasets, labels, seeds, supervised, overrides)
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    tags = {"cowtune.search": name, "cowtune.final": config_path, "method": method, "cowtune.fingerprint": fingerprint}
+    check_resumable(name, storage, tags, settings)   # the same name again: the same job, or refused before Ray
+    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(name, storage, tags, settings)
     gpus = ray.cluster_resources().get("GPU", 0)
     workers = ddp_workers or max(2, int(gpus))      # ImageNet: data-parallel over this many GPUs (CPU: 2 workers)
     for r in runs:
@@ -50,16 +57,24 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
                                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0)]))
     results = tuner.fit()
-    records = []
+    records, failed = [], []
     for r in results:
         spec = r.config[TRAIN_CONFIG]
-        err = (r.metrics or {}).get("test/error_teacher")
+        key = error_metric(spec["config"])
+        err = (r.metrics or {}).get(key)
+        run = {k: spec[k] for k in ("dataset", "labels", "method", "seed")}
         if r.error or err is None:
+            why = str(r.error).strip().splitlines()[-1] if r.error else f"no {key} reported"
+            failed.append(f"  {run['dataset']} labels {run['labels']} {run['method']} seed {run['seed']}: {why[:300]}")
             continue
-        records.append({k: spec[k] for k in ("dataset", "labels", "method", "seed")} | {"error": err})
-    path, table = save_table(Path(out_dir), records, method)
-    for artifact in (path, path.with_name("final_results.json")):
-        tracking.log_run_artifact(uri, parent_id, artifact)
-    tracking.finish_run(uri, parent_id, "FAILED" if len(records) < len(results) else "FINISHED")
-    print(table + f"\nsaved {path}; {len(records)}/{len(results)} runs finished", flush=True)
-    return records, table
+        records.append(run | {"error": err, "split": spec["config"]["data"]["eval_split"]})
+    table = ""
+    if records:
+        path, table = save_table(Path(out_dir), records, method)
+        for artifact in (path, path.with_name("final_results.json")):
+            tracking.log_run_artifact(uri, parent_id, artifact)
+        print(table + f"\nsaved {path}", flush=True)
+    tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED")
+    print(f"{len(records)}/{len(results)} runs finished" + (f"; {len(failed)} failed:\n" + "\n".join(failed)
+                                                             if failed else ""), flush=True)
+    return records, table, len(failed)

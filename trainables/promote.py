@@ -7,6 +7,7 @@ last error was measured at a smaller budget. The promoted config is a plain ``Tr
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from trainables import metrics as M
 from trainables import tracking
 from trainables.config import TrainConfig
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, writable_file
 
 
 def latest_parent(client: MlflowClient, search: str) -> tuple[str, Any]:
@@ -35,7 +36,9 @@ def latest_parent(client: MlflowClient, search: str) -> tuple[str, Any]:
 
 def promote(search: str, out: str | Path, alias: str = "champion", model_name: str | None = None,
             metric: str = M.VAL_ERROR_TEACHER) -> dict[str, Any]:
-    """Register the best trial's checkpoint under ``model_name@alias`` and write its config to ``out``."""
+    """Register the best trial's checkpoint under ``model_name@alias`` and write its config to ``out``: all or
+    nothing (``out`` is checked before the registry is touched, and written by an atomic rename)."""
+    out = writable_file(out, "--out")
     uri = tracking.resolve_tracking_uri()
     client = MlflowClient(uri)
     experiment_id, parent = latest_parent(client, search)
@@ -57,9 +60,9 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
             "model": f"models:/{name}@{alias}", "version": version, "trials_full_budget": len(full),
             "trials": len(children)}
     header = "".join(f"# {k}: {v}\n" for k, v in info.items())
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# Promoted by `cowtune promote`.\n{header}" + yaml.safe_dump(config, sort_keys=False))
+    tmp_out = out.with_name(f".{out.name}.tmp")
+    tmp_out.write_text(f"# Promoted by `cowtune promote`.\n{header}" + yaml.safe_dump(config, sort_keys=False))
+    os.replace(tmp_out, out)
     client.set_tag(parent.info.run_id, "cowtune.promoted_run", best.info.run_id)
     client.set_tag(best.info.run_id, "cowtune.promoted", f"{name}@{alias} v{version}")
     return info

@@ -28,6 +28,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.experiments import FinishChildRuns, open_experiment
+from trainables.job_settings import check_resumable
 from trainables.search_settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
@@ -72,6 +73,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     try:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
+        check_resumable(plan.name, plan.storage, plan.tags, plan.settings)   # a search of this name: the same one
     except ConfigError as exc:
         print(f"{settings.name}: error: {exc}", file=sys.stderr)   # one clear line, exit status 2 as `cowtune`'s
         raise SystemExit(2) from None
@@ -79,7 +81,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     if not args.no_compile_ahead:   # the step's first compilation, the longest wait, starts now
         compile_ahead.start(base)
     warm_decode_cache(base.data)   # while Ray starts the workers that read it
-    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags)
+    uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags,
+                                                                         plan.settings)
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}

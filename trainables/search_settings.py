@@ -24,7 +24,7 @@ from trainables.config import TrainConfig
 from trainables.data import check_source, train_size
 from trainables.presets import apply_overrides, read_config_file
 from trainables.trainer import check_names
-from trainables.validation import ConfigError, check, flatten
+from trainables.validation import ConfigError, check, flatten, writable_folder
 
 METHOD_KEYS = ("perturb", "mix", "teacher")   # what a search file owns; --preset supplies the rest
 # The objective's data: a stratified 5,000-image holdout of the training split, never the test split.
@@ -63,6 +63,7 @@ class Plan:
     storage: str
     fingerprint: str
     tags: dict[str, str]
+    settings: dict[str, Any]   # flat: what the search computes, field by field (its MLflow parent's parameters)
 
 
 def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,7 +154,7 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     epochs = cfg.train.epochs
     grace = settings.grace_period or grace_rule(cfg, space, epochs)
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
-    storage = storage if "://" in storage else str(Path(storage).resolve())
+    storage = storage if "://" in storage else str(writable_folder(storage, "--storage").resolve())
     seed = settings.seed if args.seed is None else args.seed
     name = args.name or name
     key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace]
@@ -162,7 +163,11 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     tags = {"cowtune.search": name, "cowtune.fingerprint": fingerprint, "dataset": cfg.data.dataset,
             "n_labeled": str(cfg.data.n_labeled), "method": cfg.method, "model": cfg.model,
             "cowtune.trials": str(trials), "cowtune.epochs": str(epochs)}
-    return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags)
+    recorded = {**{f"config.{k}": v for k, v in flatten(d).items()},
+                **{f"space.{path}": repr(domain) for path, domain in intervals.leaves(space)},
+                "search.trials": trials, "search.seed": seed, "search.grace": grace,
+                **({"search.points": points[1:]} if settings.points else {})}
+    return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags, recorded)
 
 
 def check_files(plan: Plan, args: argparse.Namespace) -> None:

@@ -6,9 +6,12 @@ Two error templates, used everywhere: "<field> must <rule>, got <value>" for val
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import difflib
 import types
 import typing
+from pathlib import Path
 from typing import Any, Iterable
 
 
@@ -129,3 +132,37 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def writable_folder(path: str | os.PathLike, field: str) -> Path:
+    """``path`` as a folder this process can write files into (made if missing), checked before any compute;
+    raises ConfigError naming ``field`` when it is a file, lies under one, or cannot be written (a read-only
+    mount, say)."""
+    p = Path(path).expanduser()
+    blocker = next((a for a in (p, *p.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == p else f"lies under the file {blocker}"
+        raise ConfigError(f"{field} {path} {where}: give a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".cowtune-write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{field} {path} cannot be written ({exc.strerror or exc})") from None
+    return p
+
+
+def writable_file(path: str | os.PathLike, field: str) -> Path:
+    """``path`` as a file this process can create or replace (its folder made if missing); ConfigError naming
+    ``field`` otherwise (a folder of that name, a parent that is a file, a read-only mount)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{field} {path} is a folder: give a file name")
+    blocker = next((a for a in p.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"{field} {path} lies under the file {blocker}: give a path in a folder")
+    try:
+        writable_folder(p.parent, field)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"{field} {p.parent}", f"{field} {path}: its folder", 1)) from None
+    return p

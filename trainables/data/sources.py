@@ -113,6 +113,19 @@ def check_source(cfg: "DataConfig") -> int | None:
     return TRAIN_SIZES.get(cfg.dataset)
 
 
+def has_test_split(cfg: "DataConfig") -> bool | None:
+    """Whether the data ``cfg`` names has a test split, found without decoding (an ImageFolder tree or zip is
+    listed); None where only the loader can tell (a dataset registered elsewhere)."""
+    if cfg.dataset in TORCHVISION_FILES:
+        return True
+    if cfg.dataset == "digits":
+        return False
+    if cfg.dataset == "imagefolder":
+        root = os.path.abspath(os.path.expanduser(cfg.root))
+        return len(_layout(_list_images(root, cfg.root), cfg.root)[1]) > 0
+    return None
+
+
 def train_size(cfg: "DataConfig") -> int | None:
     """Number of training images ``cfg`` names, without decoding any; None when it cannot tell."""
     if cfg.dataset in TRAIN_SIZES:

@@ -1,0 +1,72 @@
+"""What a search or final job computes, recorded with its MLflow parent run and compared when the same name
+runs again: a job restored with other settings is refused, naming the fields that differ, before Ray starts."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Param
+from mlflow.tracking import MlflowClient
+from ray import tune
+
+from trainables import tracking
+from trainables.validation import ConfigError
+
+
+def experiment_path(name: str, storage: str) -> str:
+    return f"{storage}/{name}" if "://" in storage else str(Path(storage).resolve() / name)
+
+
+def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dict[str, Any]) -> None:
+    """What ``open_experiment`` checks before it restores a job, early (before Ray or any process starts, and
+    creating nothing): raises ConfigError if a job of this name exists with other settings."""
+    uri = tracking.resolve_tracking_uri()
+    experiment = MlflowClient(uri).get_experiment_by_name(name)
+    exp_path = experiment_path(name, storage)
+    if experiment is None or not tune.Tuner.can_restore(exp_path):
+        return
+    parent = tracking.find_parent(uri, experiment.experiment_id, exp_path)
+    if parent is not None:
+        check_same_settings(exp_path, parent, setting_params(settings), tags)
+
+
+MAX_PARAM = 500   # characters of a setting's value kept as an MLflow parameter (MLflow takes up to 6,000)
+
+
+def setting_params(settings: dict[str, Any]) -> dict[str, str]:
+    """``settings`` as MLflow parameters: each value as text, a long one cut with a hash of the whole (so a
+    difference still shows)."""
+    out = {}
+    for key, value in settings.items():
+        text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+        if len(text) > MAX_PARAM:
+            text = text[:MAX_PARAM - 20] + "...#" + hashlib.sha256(text.encode()).hexdigest()[:12]
+        out[key] = text
+    return out
+
+
+def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags: dict[str, str]) -> None:
+    """Raises ConfigError unless the job recorded under ``parent`` has these settings (``setting_params``)."""
+    old = dict(parent.data.params)
+    if old and params:
+        differ = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+        if not differ:
+            return
+        shown = ", ".join(f"{k} ({old.get(k, 'unset')} -> {params.get(k, 'unset')})" for k in differ[:6])
+        more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
+    elif parent.data.tags.get("cowtune.fingerprint") == tags.get("cowtune.fingerprint"):
+        return
+    else:
+        shown, more = "fields not recorded by the version that started it", ""
+    raise ConfigError(f"{exp_path} was started with other settings (differs in: {shown}{more}); run it with its "
+                      "own settings to resume it, or pass --name NEW to start another")
+
+
+def log_params(uri: str, run_id: str, params: dict[str, str]) -> None:
+    """Log ``params`` on a run, 100 a request (MLflow's limit)."""
+    client = MlflowClient(uri)
+    items = sorted(params.items())
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in items[i:i + 100]])
