@@ -30,11 +30,24 @@ def test_masks_gallery_and_npy(tmp_path):
     assert box.returncode == 0 and np.load(tmp_path / "b.npy").shape == (4, 16, 16)
 
 
-def test_masks_bad_range_is_one_clear_error(tmp_path):
-    r = run("masks", "--p", "0.9:0.1", "--out", str(tmp_path / "g.png"))
+@pytest.mark.parametrize("args, message", [
+    (["--p", "0.9:0.1"], "cowtune: error: --p must satisfy 0.0 <= low <= high <= 1.0, got (0.9, 0.1)"),
+    (["--sigma", "16:4"], "cowtune: error: --sigma must satisfy 0.001 <= low <= high, got (16.0, 4.0)"),
+    (["--kind", "box", "--box-scale", "2"], "cowtune: error: --box-scale must be in [0, 1], got 2.0"),
+])
+def test_masks_bad_option_is_one_clear_error_naming_the_option(tmp_path, args, message):
+    r = run("masks", *args, "--out", str(tmp_path / "g.png"))
     assert r.returncode == 2
-    assert "prop_range must satisfy" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip() == message and "Traceback" not in r.stderr
     assert not (tmp_path / "g.png").exists()
+
+
+def test_a_file_that_is_not_a_zip_is_named_as_such(tmp_path):
+    bad = tmp_path / "train.zip"
+    bad.write_text("not a zip")
+    r = run("train", "fast", "--set", f"data.root={bad}", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "(a file that is not a zip archive)" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_runs_resumes_and_rejects_bad_input(tmp_path):

@@ -48,6 +48,21 @@ def _range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+MASK_OPTIONS = {"cowmix.sigma_range": "--sigma", "cowmix.prop_range": "--p", "cutmix.scale_mode": "--box-mode",
+                "cutmix.scale": "--box-scale"}
+
+
+def _as_options(validate) -> None:
+    """Run a regularizer's own checks, its fields named as the ``masks`` options that set them."""
+    try:
+        validate()
+    except ConfigError as exc:
+        text = str(exc)
+        for field, option in MASK_OPTIONS.items():
+            text = text.replace(f"{field} ", f"{option} ")
+        raise ConfigError(text) from None
+
+
 def _cmd_masks(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -60,12 +75,12 @@ def _cmd_masks(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     if args.kind == "cow":
         from trainables.ssl.masks import cow_masks
-        CowMix(sigma_range=args.sigma, prop_range=args.p)  # validates the ranges with a clear message
+        _as_options(lambda: CowMix(sigma_range=args.sigma, prop_range=args.p))  # the ranges, named as options
         masks = cow_masks(args.n, (args.size, args.size), args.sigma, args.p, gen)
         title = f"CowMask sigma {args.sigma[0]:g}:{args.sigma[1]:g}, p {args.p[0]:g}:{args.p[1]:g}"
     else:
         from trainables.ssl.masks import box_masks
-        CutMix(scale_mode=args.box_mode, scale=args.box_scale)
+        _as_options(lambda: CutMix(scale_mode=args.box_mode, scale=args.box_scale))
         masks = box_masks(args.n, (args.size, args.size), args.box_mode, args.box_scale, True, gen)
         title = f"box masks, {args.box_mode}"
     masks = masks[:, 0]

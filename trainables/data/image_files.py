@@ -73,6 +73,9 @@ def _list_images(root: str, shown: str, field: str = "data.root") -> list[str]:
             out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
     elif os.path.isfile(root) and zipfile.is_zipfile(root):
         out = _zip_handle(root).namelist()
+    elif os.path.isfile(root):
+        raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (a file that is not "
+                          "a zip archive)")
     else:
         raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (not found)")
     out = sorted(n for n in out if _is_image(n))
