@@ -219,3 +219,11 @@ def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tm
     again = train_epoch(cfg, runner, digits, 1, 4, 0.1, turn="gpu0")  # free turn: all four steps in it
     assert again[M.TURN_WAIT_S] < 0.5 and M.FIRST_STEP_S not in again
     assert M.TURN_WAIT_S not in train_epoch(cfg, runner, digits, 2, 4, 0.1)   # not packed: no turns
+
+
+def test_result_names_the_best_epoch_beside_the_last(digits, tmp_path):
+    result = fit(tiny_config("cowmix", epochs=3), tmp_path, data=digits, log=lambda s: None)
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    best = min(history, key=lambda h: h[M.VAL_ERROR_TEACHER])
+    assert result["best"] == {M.EPOCH: best[M.EPOCH], M.VAL_ERROR_TEACHER: best[M.VAL_ERROR_TEACHER]}
+    assert json.loads((tmp_path / "result.json").read_text())["best"] == result["best"]

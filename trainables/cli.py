@@ -24,6 +24,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     result = fit(cfg, out, restart=args.restart)
     print(json.dumps({k: v for k, v in result["final"].items() if "/" in k}, indent=2))
+    best = result.get("best") or {}
+    key = next((k for k in best if k != "epoch"), None)
+    if key is not None:
+        print(f"best epoch {int(best['epoch'])}: {key} {100 * best[key]:.2f}% (the result is the last epoch's)")
     print(f"done: results in {out}/result.json, checkpoint {out}/checkpoint.pt")
     return 0
 

@@ -110,6 +110,15 @@ def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: floa
     return " | ".join(parts)
 
 
+def best_epoch(history: list[dict[str, float]], key: str) -> dict[str, float]:
+    """The epoch with the lowest ``key`` and its value (for instability: the run's result is its last epoch)."""
+    scored = [h for h in history if key in h]
+    if not scored:
+        return {}
+    best = min(scored, key=lambda h: h[key])
+    return {M.EPOCH: best[M.EPOCH], key: best[key]}
+
+
 def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: int, steps_per_epoch: int,
                 base_lr: float, stream: int | None = None, log: Callable[[str], None] | None = None,
                 turn: str | None = None) -> dict[str, float]:
@@ -266,6 +275,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
 
     final = dict(history[-1]) if history else {}
     result = {"method": cfg.method, "model": cfg.model, "dataset": cfg.data.dataset, "seed": cfg.seed,
-              "n_labeled": data.sizes.get("labeled"), "split_hashes": data.split_hashes, "final": final}
+              "n_labeled": data.sizes.get("labeled"), "split_hashes": data.split_hashes, "final": final,
+              "best": best_epoch(history, M.eval_key(split, "error", "teacher"))}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     return result
