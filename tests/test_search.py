@@ -142,6 +142,29 @@ def test_final_on_data_without_a_test_split_is_refused_before_ray(search, search
     assert not (tmp / "ray" / "fin-digits").exists()
 
 
+def test_a_second_driver_of_one_search_is_refused_naming_the_first(search_env, tmp_path):
+    """Two searches of one name on one storage at once joined one experiment and trained a trial twice: the second
+    driver is refused before Ray, naming the process that holds the search (the lock is a real flock, held here by
+    another process)."""
+    storage = tmp_path / "ray"
+    storage.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from trainables.job_settings import lock_job; "
+        f"lock_job('dup', {str(storage)!r}, 'search'); print('held', flush=True); time.sleep(120)")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                              "--name", "dup", "--storage", str(storage)], env=search_env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+        assert f"search dup in {storage} is running already (pid {holder.pid} on " in out.stderr
+        assert "Traceback" not in out.stderr and not (storage / "dup").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
     """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
     training, Ray or registry change (promote moved the alias before it failed to write, once)."""

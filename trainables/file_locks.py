@@ -29,3 +29,39 @@ def exclusive(path: Path) -> Iterator[dict[str, float]]:
             yield info
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_HELD: dict[str, IO] = {}   # job locks this process holds until it exits (the kernel releases them then)
+
+
+def hold_job_lock(path: Path, what: str) -> None:
+    """Hold an exclusive lock on ``path`` for the rest of this process, with who holds it written inside; raises
+    ConfigError naming the holder if another process (on this machine, or one sharing the folder) holds it.
+    ``what`` names the job in the message ("search cifar10_cowmix")."""
+    import json
+    import os
+    import socket
+    import sys
+
+    from trainables.validation import ConfigError
+
+    key = str(Path(path).resolve())
+    if key in _HELD:
+        return
+    handle = open(path, "a+")
+    if not try_lock(handle, fcntl.LOCK_EX):
+        handle.seek(0)
+        try:
+            holder = json.loads(handle.read() or "{}")
+        except ValueError:
+            holder = {}
+        handle.close()
+        who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since {holder.get('since', '?')}: "
+               f"{holder.get('command', '?')}") if holder else "another process"
+        raise ConfigError(f"{what} is running already ({who}); wait for it to end, or pass --name NEW for another")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:500]}))
+    handle.flush()
+    _HELD[key] = handle

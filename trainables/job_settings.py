@@ -12,7 +12,17 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import tracking
+from trainables.file_locks import hold_job_lock
 from trainables.validation import ConfigError
+
+
+def lock_job(name: str, storage: str, what: str) -> None:
+    """Hold the job's lock for the rest of this process: a second search or final job of this name on this storage
+    is refused, naming the process that runs it (local or shared folders; not object-store URIs)."""
+    if "://" not in storage:
+        folder = Path(storage).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        hold_job_lock(folder / f".{name}.cowtune-lock", f"{what} {name} in {folder}")
 
 
 def experiment_path(name: str, storage: str) -> str:
