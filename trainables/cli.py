@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from trainables.validation import ConfigError
+from trainables.validation import CheckpointWriteError, ConfigError
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cowtune: error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as exc:   # a full disk, say: the last checkpoint is kept, the run can resume
+        print(f"cowtune: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("cowtune: interrupted; the last epoch checkpoint is kept, run the same command to resume",
               file=sys.stderr)

@@ -44,9 +44,9 @@ def _cmd_final(args: argparse.Namespace) -> int:
     name = args.name or f"{Path(args.config).stem}-final"
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     out = args.out or str(Path("final") / name)
-    writable_folder(out, "--out")   # before any run trains: the table is written at the end
+    writable_folder(out, "--out", create=False)   # before any run trains: the table is written at the end
     if "://" not in storage:
-        writable_folder(storage, "--storage")
+        writable_folder(storage, "--storage", create=False)
     _, _, failed = run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set,
                              name, storage, out, args.cpus_per_trial,
                              args.concurrency, args.ddp_workers, check_data=not args.skip_data_check)

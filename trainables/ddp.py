@@ -64,7 +64,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint = ray_train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / STATE, map_location=device, weights_only=False)
+            state = torch.load(Path(d) / STATE, map_location=device, weights_only=True)   # no code from the file
         student.load_state_dict(state["student"]), teacher.load_state_dict(state["teacher"])
         optimizer.load_state_dict(upgrade_optimizer_state(state["optimizer"], state["student"], student))
         start = state["epoch"]

@@ -154,7 +154,7 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     epochs = cfg.train.epochs
     grace = settings.grace_period or grace_rule(cfg, space, epochs)
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
-    storage = storage if "://" in storage else str(writable_folder(storage, "--storage").resolve())
+    storage = storage if "://" in storage else str(writable_folder(storage, "--storage", create=False).resolve())
     seed = settings.seed if args.seed is None else args.seed
     name = args.name or name
     key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace]

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
@@ -81,12 +81,6 @@ def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     fa, fb = _flat(a), _flat(b)
     keys = sorted(set(fa) | set(fb))
     return [k for k in keys if fa.get(k) != fb.get(k) and k not in RESUME_FREE]
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -196,7 +190,8 @@ def check_names(cfg: TrainConfig) -> None:
 
 
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
-        log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False) -> dict[str, Any]:
+        log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False,
+        keep_previous: bool = True) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
     ``shared_gpu``: other trials are packed on this GPU; with ``train.gpu_turns`` the epochs take turns.
 
@@ -209,7 +204,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     ckpt_path = out / CHECKPOINT
     resume = None
     if ckpt_path.exists() and not restart:
-        resume = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        resume = checkpoints.load(ckpt_path, log)   # tensors and plain data only; a damaged one: the epoch before
         diff = config_differences(resume["config"], cfg.to_dict())
         if diff:
             raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
@@ -255,14 +250,14 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
         metrics[M.IMAGES_PER_S] = steps_per_epoch * cfg.train.batch_size * (2 if cfg.method != "supervised" else 1) / train_time
         metrics[M.TRAIN_S], metrics[M.EVAL_S] = train_time, t_saved - t0 - train_time
         history.append(metrics)
-        _save_atomic({
+        checkpoints.save({
             "config": cfg.to_dict(), "epoch": epoch + 1, "step": (epoch + 1) * steps_per_epoch,
             "student": student.state_dict(), "teacher": teacher.state_dict(),
             "optimizer": optimizer.state_dict(), "history": history, "split_hashes": data.split_hashes,
             "data": data_record(data),   # class names, normalisation, input shape: for `cowtune evaluate`
             "rng": {"torch": torch.get_rng_state(), "mask_generator": runner.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
-        }, ckpt_path)
+        }, ckpt_path, keep_previous)
         metrics[M.CHECKPOINT_S] = time.monotonic() - t_saved   # known once it is written: reported, not in its own checkpoint
         with open(out / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)

@@ -142,6 +142,6 @@ def train_trial(config: dict[str, Any]) -> None:
         tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
 
     fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
-        shared_gpu=0 < meta.get("gpu", 0) < 1)
+        shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)   # Ray keeps the trial's earlier checkpoints
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)

@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the field."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, say); the last one on disk is intact."""
+
+
 def check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name} must {rule}, got {value!r}")
@@ -134,15 +138,20 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def writable_folder(path: str | os.PathLike, field: str) -> Path:
-    """``path`` as a folder this process can write files into (made if missing), checked before any compute;
-    raises ConfigError naming ``field`` when it is a file, lies under one, or cannot be written (a read-only
-    mount, say)."""
+def writable_folder(path: str | os.PathLike, field: str, create: bool = True) -> Path:
+    """``path`` as a folder this process can write files into, checked before any compute (made if missing, unless
+    ``create`` is off: then the nearest folder that exists must be writable); raises ConfigError naming ``field``
+    when it is a file, lies under one, or cannot be written (a read-only mount, say)."""
     p = Path(path).expanduser()
     blocker = next((a for a in (p, *p.parents) if a.exists() and not a.is_dir()), None)
     if blocker is not None:
         where = "is a file" if blocker == p else f"lies under the file {blocker}"
         raise ConfigError(f"{field} {path} {where}: give a folder")
+    if not create and not p.exists():
+        nearest = next(a for a in p.absolute().parents if a.exists())
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise ConfigError(f"{field} {path} cannot be made: {nearest} is not writable")
+        return p
     try:
         p.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=p, prefix=".cowtune-write-check-"):
