@@ -461,3 +461,29 @@ def test_a_search_driver_warms_the_decode_cache_and_trials_wait_for_a_decoding(t
         raise AssertionError("decoded again instead of reading the cache")
     monkeypatch.setattr(image_files, "_decode_all", no_decode)
     assert np.array_equal(D.load_raw(cfg).train_images, loaded[0].train_images)
+
+
+def _zip_with_a_truncated_jpeg(path: Path, per_class: int = 100, bad: str = "train/b/007.jpg") -> Path:
+    rng = np.random.default_rng(0)
+    with zipfile.ZipFile(path, "w") as z:
+        for c in ("a", "b", "c"):
+            for i in range(per_class):
+                buf = __import__("io").BytesIO()
+                Image.fromarray((rng.random((32, 32, 3)) * 255).astype(np.uint8)).save(buf, "JPEG")
+                name = f"train/{c}/{i:03d}.jpg"
+                z.writestr(name, buf.getvalue()[: len(buf.getvalue()) // 3] if name == bad else buf.getvalue())
+    return path
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_image_that_cannot_be_decoded_is_named(tmp_path, workers, monkeypatch):
+    """A truncated JPEG: one line naming the file (in one process or several), not a traceback naming none."""
+    from trainables.image_decode import decode_images
+    root = _zip_with_a_truncated_jpeg(tmp_path / "bad.zip")
+    names = sorted(n for n in zipfile.ZipFile(root).namelist() if n.endswith(".jpg"))
+    _, bad = decode_images(str(root), names, (32, 32), workers)
+    assert names[bad[0]] == "train/b/007.jpg" and "Truncated" in bad[1]
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"holds an image that cannot be decoded, train/b/007\.jpg \(OSError"):
+        D.load_raw(DataConfig(dataset="imagefolder", root=str(root)))
+    assert not list((tmp_path / "cache").glob("*.npz"))   # nothing cached

@@ -165,6 +165,19 @@ def test_a_second_driver_of_one_search_is_refused_naming_the_first(search_env, t
         holder.wait()
 
 
+def test_a_search_on_an_image_that_cannot_be_decoded_names_it_before_any_trial(search_env, mlflow_server, tmp_path):
+    """Every trial used to fail on it, retry, and leave the MLflow parent RUNNING: the driver names the file first."""
+    from test_data import _zip_with_a_truncated_jpeg
+    root = _zip_with_a_truncated_jpeg(tmp_path / "bad.zip")
+    out = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                          "--data", str(root), "--set", "data.dataset=imagefolder", "--name", "bad-image",
+                          "--storage", str(tmp_path / "ray"), "--no-compile-ahead"],
+                         env=search_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "cannot be decoded, train/b/007.jpg (OSError" in out.stderr and "Traceback" not in out.stderr
+    assert MlflowClient(mlflow_server).get_experiment_by_name("bad-image") is None   # no run left RUNNING
+
+
 def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
     """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
     training, Ray or registry change (promote moved the alias before it failed to write, once)."""

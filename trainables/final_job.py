@@ -57,7 +57,11 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
                                                      failure_config=tune.FailureConfig(max_failures=2),
                                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0)]))
-    results = tuner.fit()
+    try:
+        results = tuner.fit()
+    except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
+        tracking.finish_run(uri, parent_id, "FAILED")
+        raise
     records, failed = [], []
     for r in results:
         spec = r.config[TRAIN_CONFIG]

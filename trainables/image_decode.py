@@ -39,16 +39,25 @@ def open_image(root: str, name: str, zf: zipfile.ZipFile | None) -> Image.Image:
     return Image.open(io.BytesIO(zf.read(name)))
 
 
+# What PIL raises for a file it cannot decode: truncated (OSError), not an image (UnidentifiedImageError, an
+# OSError), a broken header (SyntaxError, ValueError), a decompression bomb
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
 def decode_range(root: str, names: Sequence[str], size: tuple[int, int]
-                 ) -> tuple[np.ndarray, tuple[int, tuple[int, int]] | None]:
+                 ) -> tuple[np.ndarray, tuple[int, tuple[int, int] | str] | None]:
     """Decode ``names`` (paths in the folder or members of the zip ``root``) to RGB uint8 (N, H, W, 3).
     Returns (array, None), or (partial array, (position, (width, height))) at the first image whose
-    size is not ``size`` (width, height)."""
+    size is not ``size`` (width, height), or (partial array, (position, reason)) at the first that cannot be
+    decoded (a truncated or corrupt file)."""
     zf = None if os.path.isdir(root) else zipfile.ZipFile(root)
     try:
         out = np.empty((len(names), size[1], size[0], 3), dtype=np.uint8)
         for i, name in enumerate(names):
-            img = open_image(root, name, zf).convert("RGB")
+            try:
+                img = open_image(root, name, zf).convert("RGB")
+            except UNREADABLE as exc:
+                return out[:i], (i, f"{type(exc).__name__}: {str(exc)[:200]}")
             if img.size != size:
                 return out[:i], (i, img.size)
             out[i] = np.asarray(img)
@@ -59,7 +68,7 @@ def decode_range(root: str, names: Sequence[str], size: tuple[int, int]
 
 
 def decode_images(root: str, names: Sequence[str], size: tuple[int, int], workers: int | None = None
-                  ) -> tuple[np.ndarray, tuple[int, tuple[int, int]] | None]:
+                  ) -> tuple[np.ndarray, tuple[int, tuple[int, int] | str] | None]:
     """``decode_range`` over all of ``names``, in contiguous ranges over ``workers`` processes (default
     ``default_workers``); the same result as one process, mismatch position included.
 
@@ -86,7 +95,7 @@ def decode_images(root: str, names: Sequence[str], size: tuple[int, int], worker
             parts.append(np.load(f"{tmp}/{a}.npy"))
             bad = json.loads(out.strip().splitlines()[-1])
             if bad is not None:
-                return np.concatenate(parts), (int(a) + bad[0], tuple(bad[1]))
+                return np.concatenate(parts), (int(a) + bad[0], bad[1] if isinstance(bad[1], str) else tuple(bad[1]))
     return np.concatenate(parts), None
 
 

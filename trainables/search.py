@@ -81,9 +81,23 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     base = TrainConfig.from_dict(plan.base)
     if not args.no_compile_ahead:   # the step's first compilation, the longest wait, starts now
         compile_ahead.start(base)
-    warm_decode_cache(base.data)   # while Ray starts the workers that read it
+    warming = warm_decode_cache(base.data)   # while the compile-ahead process starts; the trials read its cache
+    if warming is not None:
+        warming.join()
+        if warming.error is not None:   # a bad image file: named now, not as every trial failing
+            print(f"{settings.name}: error: {warming.error}", file=sys.stderr)
+            raise SystemExit(2)
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags,
                                                                          plan.settings)
+    try:
+        return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring)
+    except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
+        tracking.finish_run(uri, parent_id, "FAILED")
+        raise
+
+
+def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, uri: str, experiment_id: str,
+         exp_path: str, parent_id: str, restoring: bool) -> Any:
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}
@@ -110,7 +124,10 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
                                       callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs)]))
     results = tuner.fit()
-    best = results.get_best_result(metric=settings.metric, mode=settings.mode, scope="last")
+    try:
+        best = results.get_best_result(metric=settings.metric, mode=settings.mode, scope="last")
+    except RuntimeError:   # no trial reported the metric (every one failed): said below, not as a traceback
+        best = None
     failed = sum(1 for r in results if r.error)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else ""})

@@ -40,7 +40,7 @@ from trainables.data.sources import (DATASETS, NORMALISATION, SMALL_IMAGE_MAX, T
                                      Loader, RawDataset, check_dataset, check_source, load_raw, register_dataset,
                                      train_size)
 from trainables.data.splits import Splits, make_splits
-from trainables.validation import check
+from trainables.validation import ConfigError, check
 
 if TYPE_CHECKING:
     from trainables.config import DataConfig
@@ -63,17 +63,22 @@ __all__ = [
 def warm_decode_cache(cfg: "DataConfig") -> threading.Thread | None:
     """Decode an image-folder dataset into its cache in a background thread, e.g. on a search driver while
     Ray starts its workers: they then read the cache (or wait for the decoding) instead of each decoding.
-    Errors are left to the workers, which report them per trial. None when there is nothing to decode."""
+    A bad file (``ConfigError``: an image that cannot be decoded, mixed sizes) is kept as the thread's ``error``
+    for the driver to report before trials start; other errors are left to the workers, which report them per
+    trial. None when there is nothing to decode."""
     if cfg.dataset != "imagefolder" or cfg.pipeline == "loader":
         return None
 
     def decode() -> None:
         try:
             load_raw(cfg)
+        except ConfigError as exc:
+            thread.error = exc
         except Exception:   # noqa: BLE001 - the trials load the data again and say what is wrong
             pass
 
     thread = threading.Thread(target=decode, name="cowtune-decode-cache", daemon=True)
+    thread.error = None
     thread.start()
     return thread
 

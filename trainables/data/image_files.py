@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from trainables.file_locks import exclusive
-from trainables.image_decode import decode_images, default_workers, open_image
+from trainables.image_decode import UNREADABLE, decode_images, default_workers, open_image
 from trainables.validation import ConfigError, check
 
 _CACHE_VERSION = "1"
@@ -215,8 +215,13 @@ def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages
 def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np.ndarray:
     """(N, H, W, 3) uint8, decoded by ``workers`` processes (default: by the count,
     ``trainables.image_decode.default_workers``); every image must have the first image's size."""
-    size = files.open(0).size   # the header only: the workers decode every image, the first included
+    try:
+        size = files.open(0).size   # the header only: the workers decode every image, the first included
+    except UNREADABLE as exc:
+        raise unreadable(files.names[0], f"{type(exc).__name__}: {exc}", shown) from None
     out, bad = decode_images(files.root, files.names, size, workers)
+    if bad is not None and isinstance(bad[1], str):
+        raise unreadable(files.names[bad[0]], bad[1], shown)
     if bad is not None:
         i, (w, h) = bad
         raise ConfigError(
@@ -224,6 +229,11 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np
             f"{size[0]}x{size[1]}, {files.names[i]} is {w}x{h}); "
             f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
     return out
+
+
+def unreadable(name: str, reason: str, shown: str) -> ConfigError:
+    return ConfigError(f"data.root {shown!r} holds an image that cannot be decoded, {name} ({reason}): remove or "
+                       "replace it (its folder names its class)")
 
 
 def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
