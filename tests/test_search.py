@@ -178,6 +178,35 @@ def test_a_search_on_an_image_that_cannot_be_decoded_names_it_before_any_trial(s
     assert MlflowClient(mlflow_server).get_experiment_by_name("bad-image") is None   # no run left RUNNING
 
 
+def test_an_unreachable_tracking_server_is_one_line_within_seconds(tmp_path):
+    """Nothing listening, and a socket that accepts and never answers: each is one line within the check's 5 s
+    (MLflow's own retries took 256 s, then five chained tracebacks), before Ray or any file."""
+    import os
+    import socket
+    import time
+
+    from conftest import free_port
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)                      # connections queue up; nothing ever reads or answers them
+    try:
+        for uri in (f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"):
+            env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+            env.pop("RAY_ADDRESS", None)
+            for cmd in ([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                         "--storage", str(tmp_path / "ray")],
+                        [*COWTUNE, "promote", "--search", "x", "--out", str(tmp_path / "p.yaml")]):
+                t0 = time.monotonic()
+                out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                assert out.returncode == 2, out.stdout[-1500:] + out.stderr[-1500:]
+                assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer within 5 s" in out.stderr
+                assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+                assert time.monotonic() - t0 < 60
+        assert not (tmp_path / "ray").exists() and not (tmp_path / "p.yaml").exists()
+    finally:
+        silent.close()
+
+
 def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
     """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
     training, Ray or registry change (promote moved the alias before it failed to write, once)."""

@@ -14,7 +14,7 @@ import json
 
 from trainables.final import error_metric, final_configs, final_settings, save_table
 from trainables.experiments import FinishChildRuns, open_experiment
-from trainables.job_settings import check_resumable, lock_job
+from trainables.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.config import TrainConfig
 from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 
@@ -30,6 +30,7 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     settings = final_settings(promoted, datasets, labels, seeds, supervised, overrides)
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     tags = {"cowtune.search": name, "cowtune.final": config_path, "method": method, "cowtune.fingerprint": fingerprint}
+    check_tracking_server()
     lock_job(name, storage, "final job")
     check_resumable(name, storage, tags, settings)   # the same name again: the same job, or refused before Ray
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(name, storage, tags, settings)

@@ -9,11 +9,33 @@ from typing import Any
 
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
-from ray import tune
 
 from trainables import tracking
 from trainables.file_locks import hold_job_lock
 from trainables.validation import ConfigError
+
+
+TRACKING_TIMEOUT_S = 5.0
+
+
+def check_tracking_server(uri: str | None = None, timeout: float = TRACKING_TIMEOUT_S) -> str:
+    """The tracking URI, checked to answer within ``timeout`` when it is a server (http/https), before any job
+    starts: an unreachable one is one ConfigError line, not minutes of MLflow's retries ending in tracebacks."""
+    import urllib.error
+    import urllib.request
+
+    uri = uri or tracking.resolve_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+        except urllib.error.HTTPError:
+            pass   # it answered: a server without /health, or behind a proxy asking for a login
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ConfigError(f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer within "
+                              f"{timeout:g} s ({reason}): start it, or unset MLFLOW_TRACKING_URI to record into "
+                              "./mlflow.db") from None
+    return uri
 
 
 def lock_job(name: str, storage: str, what: str) -> None:
@@ -32,6 +54,8 @@ def experiment_path(name: str, storage: str) -> str:
 def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dict[str, Any]) -> None:
     """What ``open_experiment`` checks before it restores a job, early (before Ray or any process starts, and
     creating nothing): raises ConfigError if a job of this name exists with other settings."""
+    from ray import tune   # here: promote, which checks the tracking server with this module, never starts Ray
+
     uri = tracking.resolve_tracking_uri()
     experiment = MlflowClient(uri).get_experiment_by_name(name)
     exp_path = experiment_path(name, storage)

@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from trainables import metrics as M
 from trainables import tracking
 from trainables.config import TrainConfig
+from trainables.job_settings import check_tracking_server
 from trainables.validation import ConfigError, writable_file
 
 
@@ -39,7 +40,7 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
     """Register the best trial's checkpoint under ``model_name@alias`` and write its config to ``out``: all or
     nothing (``out`` is checked before the registry is touched, and written by an atomic rename)."""
     out = writable_file(out, "--out")
-    uri = tracking.resolve_tracking_uri()
+    uri = check_tracking_server()
     client = MlflowClient(uri)
     experiment_id, parent = latest_parent(client, search)
     budget = int(parent.data.tags.get("cowtune.epochs", "0"))

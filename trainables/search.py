@@ -28,7 +28,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.experiments import FinishChildRuns, open_experiment
-from trainables.job_settings import check_resumable, lock_job
+from trainables.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search_settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
 from trainables.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
@@ -73,6 +73,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     try:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
+        check_tracking_server()
         lock_job(plan.name, plan.storage, "search")   # one driver at a time for a search
         check_resumable(plan.name, plan.storage, plan.tags, plan.settings)   # a search of this name: the same one
     except ConfigError as exc:
