@@ -207,6 +207,18 @@ def test_an_unreachable_tracking_server_is_one_line_within_seconds(tmp_path):
         silent.close()
 
 
+def test_a_trial_whose_loss_goes_nan_fails_with_its_reason_and_the_search_ends(search_env, mlflow_server, tmp_path):
+    """Not a silent 90% error: the trial is an ERROR in Tune, its MLflow run FAILED with the reason as a tag, the
+    parent FAILED, and the driver ends with its count instead of a traceback ('No best trial found')."""
+    out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "1", "--name", "nan", "--storage",
+                                                  str(tmp_path / "ray"), "--set", "optim.lr_per_256=1e12",
+                                                  "--no-compile-ahead"], search_env, tmp_path)
+    assert "done: 1 trials (1 failed)" in out.stdout   # exit status 0: the driver ends as it should
+    _, parents, children = runs_of(mlflow_server, "nan")
+    assert parents[0].info.status == "FAILED" and [c.info.status for c in children] == ["FAILED"]
+    assert "the training loss became nan" in children[0].data.tags["cowtune.failure"]
+
+
 def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
     """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
     training, Ray or registry change (promote moved the alias before it failed to write, once)."""

@@ -14,7 +14,7 @@ from trainables.optim import make_optimizer
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
 from trainables.trainer import fit
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, TrainingDiverged
 
 METHODS = {
     "supervised": {},
@@ -227,3 +227,14 @@ def test_result_names_the_best_epoch_beside_the_last(digits, tmp_path):
     best = min(history, key=lambda h: h[M.VAL_ERROR_TEACHER])
     assert result["best"] == {M.EPOCH: best[M.EPOCH], M.VAL_ERROR_TEACHER: best[M.VAL_ERROR_TEACHER]}
     assert json.loads((tmp_path / "result.json").read_text())["best"] == result["best"]
+
+
+def test_a_loss_that_becomes_nan_stops_the_run_with_its_reason(digits, tmp_path):
+    """A learning rate far too large: the losses go NaN in the first epoch. The run stops there, naming the loss,
+    the epoch and what to change, instead of training on to a silent 90% error."""
+    d = tiny_config("cowmix", epochs=3).to_dict()
+    d["optim"]["lr_per_256"] = 1e12
+    with pytest.raises(TrainingDiverged, match=r"the training loss became nan \(train/loss_sup\).* in epoch 1; the "
+                                               r"run stopped: lower optim.lr_per_256 \(1e\+12\)"):
+        fit(TrainConfig.from_dict(d), tmp_path, data=digits, log=lambda s: None)
+    assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "result.json").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from trainables.validation import CheckpointWriteError, ConfigError
+from trainables.validation import CheckpointWriteError, ConfigError, TrainingDiverged
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cowtune: error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as exc:   # a full disk, say: the last checkpoint is kept, the run can resume
+    except (CheckpointWriteError, TrainingDiverged) as exc:   # the last checkpoint is kept
         print(f"cowtune: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

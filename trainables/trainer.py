@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +32,7 @@ from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, TrainingDiverged
 from trainables.wgrad_stream import apply_wgrad_stream
 
 CHECKPOINT = "checkpoint.pt"
@@ -102,6 +103,17 @@ def _summary(epoch: int, epochs: int, m: dict[str, float], split: str, eta: floa
     parts.append(f"{m[M.IMAGES_PER_S]:.0f} img/s")
     parts.append(f"ETA {_fmt_time(eta)}")
     return " | ".join(parts)
+
+
+def check_finite(metrics: dict[str, float], epoch: int, cfg: TrainConfig) -> None:
+    """Raises TrainingDiverged if an epoch's mean training loss is NaN or infinite (one step's is enough: the
+    epoch's sums carry it), instead of going on to a silent 90% error."""
+    bad = {k: v for k, v in metrics.items() if k.startswith("train/loss") and not math.isfinite(v)}
+    if bad:
+        raise TrainingDiverged(
+            f"the training loss became {', '.join(f'{v} ({k})' for k, v in bad.items())} in epoch {epoch}; the run "
+            f"stopped{f' with its last checkpoint (epoch {epoch - 1}) kept' if epoch > 1 else ''}: lower optim.lr_per_256 "
+            f"({cfg.optim.lr_per_256:g}) or the loss weights, or add optim.warmup_epochs")
 
 
 def best_epoch(history: list[dict[str, float]], key: str) -> dict[str, float]:
@@ -240,6 +252,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.monotonic()
         metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log, turn=turn)
+        check_finite(metrics, epoch + 1, cfg)   # before the checkpoint: the last one stays the last good one
         train_time = time.monotonic() - t0
         for name, model in (("teacher", teacher), ("student", student)):
             err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)

@@ -3,9 +3,8 @@
 ``config`` is a full ``TrainConfig`` dict plus a ``"_cowtune"`` entry set by the driver (tracking
 URI, experiment and parent run ids, mode, resources). Per epoch the trainable logs the metrics to
 the trial's MLflow child run (step = epoch, skipping epochs already there), then calls
-``ray.tune.report(metrics, checkpoint=...)`` with the trial folder, which holds ``checkpoint.pt``
-and the MLflow run id. On a retry or a restore the latest checkpoint is copied back into a fresh
-folder and ``fit`` resumes from it, so the trial continues its own MLflow run.
+``ray.tune.report(metrics, checkpoint=...)`` with the trial folder (``checkpoint.pt``, the MLflow run id); a retry
+or restore copies the latest back into a fresh folder and ``fit`` resumes from it, in the trial's own MLflow run.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
 from trainables.step import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, TrainingDiverged
 
 LIVE_CURVE_S = 30.0   # seconds between a trial's own learning-curve drawings
 
@@ -141,7 +140,11 @@ def train_trial(config: dict[str, Any]) -> None:
             run.log_artifact(ckpt_path, "checkpoint")    # what `cowtune promote` registers
         tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
 
-    fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
-        shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)   # Ray keeps the trial's earlier checkpoints
+    try:   # Ray keeps the trial's earlier checkpoints: no .prev copy
+        fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
+            shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)
+    except TrainingDiverged as exc:   # the reason on the MLflow run; Tune marks the trial ERROR with it
+        run.set_tags({"cowtune.failure": str(exc)})
+        raise
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)

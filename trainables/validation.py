@@ -23,6 +23,10 @@ class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (a full disk, say); the last one on disk is intact."""
 
 
+class TrainingDiverged(RuntimeError):
+    """A training loss became NaN or infinite; the run stopped, its last checkpoint kept."""
+
+
 def check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name} must {rule}, got {value!r}")
