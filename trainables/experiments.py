@@ -15,7 +15,7 @@ from ray import tune
 from trainables import metrics as M
 from trainables import tracking
 from trainables.curves import CURVE_FILE, learning_curve_png
-from trainables.job_settings import check_same_settings, experiment_path, log_params, setting_params
+from trainables.job_settings import experiment_path, log_params, setting_params
 
 
 class FinishChildRuns(tune.Callback):
@@ -77,23 +77,18 @@ def open_experiment(name: str, storage: str, tags: dict[str, str],
     re-opened when the Ray experiment can be restored. Returns (uri, experiment id, experiment path,
     parent run id, restoring).
 
-    ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters.
-    Restoring a job whose recorded settings (or, for a parent run from before they were recorded, whose
-    ``cowtune.fingerprint`` tag) differ is refused with a ConfigError naming the fields that differ, before Ray
-    starts."""
+    ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters,
+    which ``job_settings.check_resumable`` compares: callers run it first, before any process starts."""
     uri = tracking.resolve_tracking_uri()
     experiment_id = tracking.ensure_experiment(uri, name)
     exp_path = experiment_path(name, storage)
     restoring = tune.Tuner.can_restore(exp_path)
     parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
-    params = setting_params(settings or {})
-    if parent is not None:
-        check_same_settings(exp_path, parent, params, tags)
     init_ray()
     parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if parent is not None else None)
-    if parent is None and params:
-        log_params(uri, parent_id, params)
+    if parent is None and settings:
+        log_params(uri, parent_id, setting_params(settings))
     if parent is not None:
         end_orphaned_runs(uri, experiment_id, parent_id, exp_path)
     return uri, experiment_id, exp_path, parent_id, restoring

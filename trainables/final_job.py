@@ -1,6 +1,8 @@
 """Runs ``cowtune final`` on Ray: a grid of full configs (no search) logged under one MLflow parent run."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +11,6 @@ import yaml
 from ray import tune
 
 from trainables import tracking
-import hashlib
-import json
-
 from trainables.final import error_metric, final_configs, final_settings, save_table
 from trainables.experiments import FinishChildRuns, open_experiment
 from trainables.job_settings import check_resumable, check_tracking_server, lock_job
