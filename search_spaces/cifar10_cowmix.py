@@ -3,9 +3,9 @@
 Run: python search_spaces/cifar10_cowmix.py [--trials N --epochs N --data DIR --preset fast --smoke-test]
 The objective is the teacher's error on the 5,000-image holdout carved from the training split.
 """
-from trainables.intervals import Float, Interval
 from trainables.presets import load_config
-from trainables.search import HOLDOUT, SearchSettings, run_search
+from trainables.search.driver import HOLDOUT, SearchSettings, run_search
+from trainables.search.intervals import Float, Interval
 
 # The paper's CowMix setting (Table 1), with a validation holdout instead of the test split.
 BASE = load_config("cifar10_cowmix", HOLDOUT)

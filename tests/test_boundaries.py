@@ -40,7 +40,7 @@ def test_search_driver_skips_the_compiler_stack():
     import subprocess
     import sys
 
-    code = ("import sys, trainables.search, trainables.cli; "
+    code = ("import sys, trainables.search.driver, trainables.cli; "
             "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -18,16 +18,16 @@ from mlflow.tracking import MlflowClient
 
 from conftest import run_checked
 from trainables import metrics as M
-from trainables.intervals import Float
-from trainables.search import BudgetAwareOptunaSearch
+from trainables.search.driver import BudgetAwareOptunaSearch
+from trainables.search.intervals import Float
 
 pytestmark = pytest.mark.slow
 EPOCHS, GOOD_LR, BAD_LR = 4, 0.5, 1e-6
 SPACE = {"optim": {"lr_per_256": Float(1e-6, 1.0, log=True)}}
 SCRIPT = f'''
 from search_spaces.cifar10_cowmix import BASE
-from trainables.intervals import Float
-from trainables.search import SearchSettings, run_search
+from trainables.search.driver import SearchSettings, run_search
+from trainables.search.intervals import Float
 
 SPACE = {SPACE!r}
 SEARCH = SearchSettings(name="asha", grace_period=1, reduction_factor=2,

@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import run_checked
 
-from trainables.final import final_configs, imagenet_sigma_scale
+from trainables.search.final import final_configs, imagenet_sigma_scale
 from trainables.validation import ConfigError
 
 PROMOTED = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50},

@@ -4,10 +4,10 @@ import dataclasses
 import optuna
 import pytest
 
-from trainables import intervals
 from trainables import metrics as M
-from trainables.search import BudgetAwareOptunaSearch
-from trainables.search_settings import parse_args, prepare_search
+from trainables.search import intervals
+from trainables.search.driver import BudgetAwareOptunaSearch
+from trainables.search.settings import parse_args, prepare_search
 from trainables.validation import ConfigError
 import search_spaces.cifar10_cowmix as cowmix
 

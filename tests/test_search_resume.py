@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, run_search_script
-from trainables import tracking
+from trainables.search import tracking
 
 pytestmark = pytest.mark.slow
 

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lst = sub.add_parser("list", help="list presets, models, datasets and regularizers")
     lst.set_defaults(func=_cmd_list)
-    from trainables.cli_search import add_search_commands
+    from trainables.search.cli import add_search_commands
     add_search_commands(sub)
     return parser
 

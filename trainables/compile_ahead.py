@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     from trainables.step import tune_kernels_by_default
 
-    tune_kernels_by_default(False)   # as the search's trials compile it (trainables.tune_trainable)
+    tune_kernels_by_default(False)   # as the search's trials compile it (trainables.search.tune_trainable)
     timings = compile_step(cfg)
     from trainables import metrics as M
 

@@ -100,7 +100,7 @@ def _trial_run(info: dict[str, Any] | None, cfg: TrainConfig, data: Any) -> Any:
     """Rank 0 logs to the MLflow child run of the Tune trial that launched this data-parallel run."""
     if not info:
         return None
-    from trainables import tracking
+    from trainables.search import tracking
     out = Path(tempfile.mkdtemp(prefix="cowtune-ddp-"))
     run = tracking.TrialRun(info["uri"], info["experiment_id"], info["parent_run_id"], info["trial_id"],
                              info["trial_name"], out, cfg.to_dict(),

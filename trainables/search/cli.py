@@ -28,7 +28,7 @@ def _labels(text: str) -> list[int]:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from trainables.promote import promote
+    from trainables.search.promote import promote
 
     info = promote(args.search, args.out, alias=args.alias, model_name=args.model_name)
     print(json.dumps(info, indent=2))
@@ -37,7 +37,7 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 
 
 def _cmd_final(args: argparse.Namespace) -> int:
-    from trainables.final_job import run_final
+    from trainables.search.final_job import run_final
 
     if not Path(args.config).exists():
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")

@@ -22,11 +22,11 @@ import yaml
 import ray
 from ray import tune
 
-from trainables import tracking
 from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
+from trainables.search import tracking
 from trainables.step import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, TrainingDiverged
@@ -93,7 +93,7 @@ def train_trial(config: dict[str, Any]) -> None:
     if workers > 1:   # ImageNet: data-parallel over the trial's GPUs with Ray Train; rank 0 reports and logs
         from ray.tune.integration.ray_train import TuneReportCallback
 
-        from trainables.ddp import fit_data_parallel
+        from trainables.search.ddp import fit_data_parallel
         fit_data_parallel(cfg, workers, meta.get("use_gpu", False), meta["storage"], f"{trial_name}-ddp",
                           callbacks=[TuneReportCallback()],
                           tracking={**meta, "trial_id": trial_id, "trial_name": trial_name, "workers": workers})

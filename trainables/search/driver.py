@@ -23,14 +23,15 @@ import ray
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
-from trainables import compile_ahead, intervals, tracking
+from trainables import compile_ahead
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
-from trainables.experiments import FinishChildRuns, open_experiment
-from trainables.job_settings import check_resumable, check_tracking_server, lock_job
-from trainables.search_settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
-from trainables.tune_trainable import META, train_trial, trial_resources
+from trainables.search import intervals, tracking
+from trainables.search.experiments import FinishChildRuns, open_experiment
+from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
+from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
+from trainables.search.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
 __all__ = ["HOLDOUT", "SearchSettings", "run_search"]

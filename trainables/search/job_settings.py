@@ -10,8 +10,8 @@ from typing import Any
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 
-from trainables import tracking
 from trainables.file_locks import hold_job_lock
+from trainables.search import tracking
 from trainables.validation import ConfigError
 
 

@@ -10,12 +10,12 @@ import ray
 import yaml
 from ray import tune
 
-from trainables import tracking
-from trainables.final import error_metric, final_configs, final_settings, save_table
-from trainables.experiments import FinishChildRuns, open_experiment
-from trainables.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.config import TrainConfig
-from trainables.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
+from trainables.search import tracking
+from trainables.search.experiments import FinishChildRuns, open_experiment
+from trainables.search.final import error_metric, final_configs, final_settings, save_table
+from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
+from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 
 
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,

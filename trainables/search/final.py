@@ -105,7 +105,7 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
 def final_settings(promoted: dict[str, Any], datasets: dict[str, str], labels: list[int] | None, seeds: int,
                    supervised: bool, overrides: list[str]) -> dict[str, Any]:
     """What a final job computes, field by field: recorded with its MLflow parent run, compared when the same
-    name runs again (``trainables.experiments.check_resumable``)."""
+    name runs again (``trainables.search.experiments.check_resumable``)."""
     config = TrainConfig.from_dict(promoted).to_dict()
     return {**{f"config.{k}": v for k, v in flatten(config).items()}, "final.datasets": datasets,
             "final.labels": labels, "final.seeds": seeds, "final.supervised": supervised, "final.set": list(overrides)}

@@ -16,9 +16,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from trainables import metrics as M
-from trainables import tracking
 from trainables.config import TrainConfig
-from trainables.job_settings import check_tracking_server
+from trainables.search import tracking
+from trainables.search.job_settings import check_tracking_server
 from trainables.validation import ConfigError, writable_file
 
 

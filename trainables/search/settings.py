@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainables import intervals
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import check_source, train_size
 from trainables.presets import apply_overrides, read_config_file
+from trainables.search import intervals
 from trainables.trainer import check_names
 from trainables.validation import ConfigError, check, flatten, writable_folder
 
@@ -41,7 +41,7 @@ class SearchSettings:
     num_samples: int = 32
     seed: int = 0                      # TPE sampler seed
     reduction_factor: int = 3
-    grace_period: int | None = None    # epochs; None: the rule in trainables/search.py
+    grace_period: int | None = None    # epochs; None: the rule in trainables/search/driver.py
     points: tuple[dict[str, Any], ...] = ()   # known settings of space fields, tried after the paper's, in order
     max_failures: int = 2
     validation_samples: int = 16       # space samples turned into configs on the driver before Ray

@@ -1,4 +1,4 @@
-"""Driver-side pieces shared by a search (``trainables.search``) and a final job (``trainables.final_job``):
+"""Driver-side pieces shared by a search (``trainables.search.driver``) and a final job (``trainables.search.final_job``):
 start Ray, open or re-open the MLflow parent run and the Ray experiment, close each trial's child run."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
-from trainables import tracking
 from trainables.curves import CURVE_FILE, learning_curve_png
-from trainables.job_settings import experiment_path, log_params, setting_params
+from trainables.search import tracking
+from trainables.search.job_settings import experiment_path, log_params, setting_params
 
 
 class FinishChildRuns(tune.Callback):
