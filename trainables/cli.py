@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from trainables.validation import CheckpointWriteError, ConfigError, TrainingDiverged
+from trainables.validation import CheckpointWriteError, ConfigError, TrainingDiverged, writable_file, writable_folder
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -22,6 +22,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_names(cfg)   # what fit() checks first, for a run that stops here
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+    writable_folder(out, "--out", create=False)   # before the data is read: a file in the way is named, not a traceback
     result = fit(cfg, out, restart=args.restart)
     print(json.dumps({k: v for k, v in result["final"].items() if "/" in k}, indent=2))
     best = result.get("best") or {}
@@ -76,15 +77,20 @@ def _cmd_masks(args: argparse.Namespace) -> int:
 
     if args.n < 1 or args.size < 2:
         raise ConfigError(f"-n must be >= 1 and --size >= 2, got n={args.n}, size={args.size}")
+    if args.kind == "cow":
+        _as_options(lambda: CowMix(sigma_range=args.sigma, prop_range=args.p))  # the ranges, named as options
+    else:
+        _as_options(lambda: CutMix(scale_mode=args.box_mode, scale=args.box_scale))
+    for path, option in ((args.out, "--out"), (args.npy, "--npy")):
+        if path:
+            writable_file(path, option)   # before the masks are drawn: a file in the way is named, not a traceback
     gen = torch.Generator().manual_seed(args.seed)
     if args.kind == "cow":
         from trainables.ssl.masks import cow_masks
-        _as_options(lambda: CowMix(sigma_range=args.sigma, prop_range=args.p))  # the ranges, named as options
         masks = cow_masks(args.n, (args.size, args.size), args.sigma, args.p, gen)
         title = f"CowMask sigma {args.sigma[0]:g}:{args.sigma[1]:g}, p {args.p[0]:g}:{args.p[1]:g}"
     else:
         from trainables.ssl.masks import box_masks
-        _as_options(lambda: CutMix(scale_mode=args.box_mode, scale=args.box_scale))
         masks = box_masks(args.n, (args.size, args.size), args.box_mode, args.box_scale, True, gen)
         title = f"box masks, {args.box_mode}"
     masks = masks[:, 0]

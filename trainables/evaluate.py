@@ -25,7 +25,8 @@ import torch
 from trainables.config import TrainConfig
 from trainables.data import (NORMALISATION, DeviceData, LoaderData, RawDataset, ScoredImages, Splits, data_record,
                              prepare_data, scored_images)
-from trainables.image_decode import decode_images
+from trainables.data.image_files import unreadable
+from trainables.image_decode import UNREADABLE, decode_images
 from trainables.models import create_model
 from trainables.step import evaluate
 from trainables.trainer import CHECKPOINT
@@ -162,7 +163,10 @@ def decode_scored(images: ScoredImages, trained_hw: tuple[int, int], resized: bo
     """uint8 (N, H, W, 3) of ``images``, decoded by ``trainables.image_decode`` (worker processes when many).
     Each must be ``trained_hw`` (H, W), or when the run ``resized`` its images, of the first one's size."""
     files = images.files
-    w, h = files.open(0).size   # the header only
+    try:
+        w, h = files.open(0).size   # the header only
+    except UNREADABLE as exc:
+        raise unreadable(files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", files.root, "--data") from None
     want = (w, h) if resized else (trained_hw[1], trained_hw[0])
     rule = (f"--data must hold images of one size (the run resized its images to {trained_hw[1]}x{trained_hw[0]}; "
             f"the first here is {w}x{h})") if resized else \
@@ -170,6 +174,8 @@ def decode_scored(images: ScoredImages, trained_hw: tuple[int, int], resized: bo
     if (w, h) != want:
         raise ConfigError(f"{rule}, got {files.names[0]} of {w}x{h}")
     array, bad = decode_images(files.root, files.names, want)
+    if bad is not None and isinstance(bad[1], str):   # a truncated or corrupt file
+        raise unreadable(files.names[bad[0]], bad[1], files.root, "--data")
     if bad is not None:
         i, (bw, bh) = bad
         raise ConfigError(f"{rule}, got {files.names[i]} of {bw}x{bh}")

@@ -27,13 +27,25 @@ def read_config_file(name_or_path: str) -> dict[str, Any]:
         if name_or_path not in list_presets():
             raise unknown_name("config preset", name_or_path, list_presets())
         path = CONFIG_DIR / f"{name_or_path}.yaml"
+    if path.is_dir():
+        raise ConfigError(f"config file {name_or_path} is a folder: give a YAML file or a preset name")
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a YAML file (not UTF-8 text)") from None
+    except (yaml.YAMLError, ValueError) as exc:
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
     return data
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML parse error on one line: what is wrong and where (PyYAML's own message spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = ", ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return (what or " ".join(str(exc).split())) + where
 
 
 def parse_value(text: str) -> Any:
@@ -55,7 +67,12 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set takes key=value, got {item!r}")
         key, value = item.split("=", 1)
-        set_dotted(d, key.strip(), parse_value(value))
+        try:
+            parsed = parse_value(value)
+        except (yaml.YAMLError, ValueError) as exc:
+            raise ConfigError(f"--set {item!r}: the value does not parse as YAML or LO:HI: "
+                              f"{yaml_problem(exc)}") from None
+        set_dotted(d, key.strip(), parsed)
     return d
 
 

@@ -231,8 +231,8 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np
     return out
 
 
-def unreadable(name: str, reason: str, shown: str) -> ConfigError:
-    return ConfigError(f"data.root {shown!r} holds an image that cannot be decoded, {name} ({reason}): remove or "
+def unreadable(name: str, reason: str, shown: str, field: str = "data.root") -> ConfigError:
+    return ConfigError(f"{field} {shown!r} holds an image that cannot be decoded, {name} ({reason}): remove or "
                        "replace it (its folder names its class)")
 
 

@@ -12,8 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainables.data.image_files import FileImages, _channel_stats, _decode_cached, _layout, _list_images
+from trainables.data.image_files import (FileImages, _channel_stats, _decode_cached, _layout, _list_images,
+                                        unreadable)
 from trainables.data.splits import _fingerprint
+from trainables.image_decode import UNREADABLE
 from trainables.validation import ConfigError, unknown_name
 
 if TYPE_CHECKING:
@@ -211,7 +213,10 @@ def _load_imagefolder(cfg: "DataConfig") -> RawDataset:
     test_files = FileImages(root, np.array([n for n, _, _ in test])) if test else None
     test_labels = np.array([index[c] for _, c, _ in test], dtype=np.int64) if test else None
     fingerprint = _fingerprint("imagefolder", train_labels, "\n".join(k for _, _, k in train))
-    w, h = train_files.open(0).size
+    try:
+        w, h = train_files.open(0).size   # the header only
+    except UNREADABLE as exc:   # not an image, or a truncated header: named as any other undecodable file
+        raise unreadable(train_files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", cfg.root) from None
     small = cfg.pipeline == "device" or (cfg.pipeline == "auto" and max(w, h) <= SMALL_IMAGE_MAX)
     if not small:
         mean, std = NORMALISATION["imagenet"]

@@ -11,18 +11,23 @@ import yaml
 from ray import tune
 
 from trainables.config import TrainConfig
+from trainables.presets import yaml_problem
 from trainables.search import tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, save_table
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
+from trainables.validation import ConfigError
 
 
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
               overrides: list[str], name: str, storage: str, out_dir: str, cpus_per_trial: int = 1,
               concurrency: int | None = None, ddp_workers: int | None = None,
               check_data: bool = True) -> tuple[list[dict[str, Any]], str, int]:
-    promoted = yaml.safe_load(Path(config_path).read_text())
+    try:
+        promoted = yaml.safe_load(Path(config_path).read_text())
+    except yaml.YAMLError as exc:   # one line naming the file, before anything starts
+        raise ConfigError(f"--config {config_path} is not valid YAML: {yaml_problem(exc)}") from None
     method = TrainConfig.from_dict(promoted).method
     runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides, check_data)   # fails before Ray
     storage = storage if "://" in storage else str(Path(storage).resolve())

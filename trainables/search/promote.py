@@ -41,6 +41,10 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
     nothing (``out`` is checked before the registry is touched, and written by an atomic rename)."""
     out = writable_file(out, "--out")
     uri = check_tracking_server()
+    store = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    if store is not None and not store.exists():   # MlflowClient would create an empty store here
+        raise ConfigError(f"Unknown search '{search}': there is no MLflow store at {store} (no search was recorded "
+                          "there); run `cowtune promote` in the folder the search ran in, or set MLFLOW_TRACKING_URI")
     client = MlflowClient(uri)
     experiment_id, parent = latest_parent(client, search)
     budget = int(parent.data.tags.get("cowtune.epochs", "0"))

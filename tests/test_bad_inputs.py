@@ -1,0 +1,470 @@
+"""Bad input never starts a search or a run (issue 39, item 7): one table of bad inputs, each given to the command a
+user would type (``cowtune train|promote|final|evaluate|masks`` and the search script), each refused with one error
+line naming what is wrong, exit status 2, no traceback, and nothing left behind: the folder the case ran in (the
+working directory, where ./mlflow.db, ./ray_results and runs/ would go) holds exactly the files it held before.
+
+In-process: ``trainables.cli.main(argv)`` and the search script run as ``__main__`` (``runpy``), stderr read with
+capsys. Guards make any case that got past its checks fail loudly instead of building a model or starting Ray.
+Only the lock case starts a process: the search's lock must be held by another process (a flock), as in
+tests/test_search.py.
+"""
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import ROOT, free_port
+from test_data import _write_tree, _zip_with_a_truncated_jpeg
+from trainables.cli import main
+
+SCRIPT = ROOT / "search_spaces" / "cifar10_cowmix.py"
+CACHE = ".cache"   # COWTUNE_CACHE of every case: decode locks may stay there, decoded arrays may not
+
+
+@dataclass
+class Ctx:
+    """What a case's build step gets: the case's folder (also the working directory), and where to add a
+    substring of the error known only once the input exists (a process id)."""
+    tmp: Path
+    monkeypatch: pytest.MonkeyPatch
+    defer: Callable[[Callable[[], None]], None]
+    expect: list[str] = field(default_factory=list)
+
+    def write(self, rel: str, text: str | bytes) -> Path:
+        path = self.tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+        return path
+
+    def tree(self, rel: str, classes: int = 3, per_class: int = 6, size: int = 16, split_dirs: bool = False) -> Path:
+        _write_tree(self.tmp / rel, classes, per_class, size, split_dirs)
+        return self.tmp / rel
+
+
+@dataclass
+class Case:
+    id: str
+    cmd: str                            # "cowtune" (trainables.cli.main) or "search" (search_spaces/cifar10_cowmix.py)
+    build: Callable[[Ctx], list[str]]   # writes the input under ctx.tmp; returns the command's arguments
+    expect: tuple[str, ...]             # substrings of the one error line
+    usage: bool = False                 # an argparse error: its usage block, then the error line
+    within_s: float | None = None       # the error comes within this many seconds
+    cached: bool = False                # refused after the images were decoded: their (complete) cache may stay
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+def sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def digits(*overrides: str, out: str = "run") -> Callable[[Ctx], list[str]]:
+    """`cowtune train fast` on scikit-learn's digits (no files), with ``overrides``."""
+    return lambda t: ["train", "fast", *sets("data.dataset=digits", "data.n_val=300", "data.n_labeled=50",
+                                             "train.device=cpu", *overrides), "--out", out]
+
+
+def images(make: Callable[[Ctx], Path], *overrides: str) -> Callable[[Ctx], list[str]]:
+    """`cowtune train fast` on the ImageFolder tree or zip that ``make`` writes (3 classes x 6 images of 16x16)."""
+    return lambda t: ["train", "fast", *sets(f"data.root={make(t)}", "data.n_val=3", "data.n_labeled=6",
+                                             "train.device=cpu", *overrides), "--out", "run"]
+
+
+def config_file(text: str | bytes, *args: str) -> Callable[[Ctx], list[str]]:
+    return lambda t: ["train", str(t.write("my.yaml", text)), *args, "--out", "run"]
+
+
+def tree_with(rel: str, text: str | bytes | None = None, image: tuple | None = None) -> Callable[[Ctx], Path]:
+    """The standard tree, with the file ``rel`` replaced by ``text`` or by an image of ``(mode, (w, h))``."""
+    def make(t: Ctx) -> Path:
+        root = t.tree("tree")
+        if image is not None:
+            from PIL import Image
+            Image.new(image[0], image[1]).save(root / rel)
+        else:
+            (root / rel).write_bytes(text) if isinstance(text, bytes) else (root / rel).write_text(text)
+        return root
+    return make
+
+
+def truncated_first(t: Ctx) -> Path:
+    root = t.tree("tree")
+    from PIL import Image
+    (root / "class0" / "000.png").unlink()
+    Image.open(root / "class0" / "001.png").save(root / "class0" / "000.jpg")
+    data = (root / "class0" / "000.jpg").read_bytes()
+    (root / "class0" / "000.jpg").write_bytes(data[: len(data) // 3])
+    return root
+
+
+def one_image_class(t: Ctx) -> Path:
+    root = t.tree("tree")
+    for p in sorted((root / "class2").iterdir())[1:]:
+        p.unlink()
+    return root
+
+
+def extra_test_class(t: Ctx) -> Path:
+    root = t.tree("split", split_dirs=True)
+    (root / "test" / "class2").rename(root / "test" / "zebra")
+    return root
+
+
+def loose_images(t: Ctx) -> Path:
+    from PIL import Image
+    (t.tmp / "loose").mkdir()
+    for i in range(3):
+        Image.new("RGB", (16, 16)).save(t.tmp / "loose" / f"{i}.png")
+    return t.tmp / "loose"
+
+
+def empty_zip(t: Ctx) -> Path:
+    zipfile.ZipFile(t.tmp / "empty.zip", "w").close()
+    return t.tmp / "empty.zip"
+
+
+def search(*args: str, storage: str = "ray") -> Callable[[Ctx], list[str]]:
+    return lambda t: ["--smoke-test", "--storage", storage, *args]
+
+
+def unreachable_tracking(argv: list[str]) -> Callable[[Ctx], list[str]]:
+    def build(t: Ctx) -> list[str]:
+        t.monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")   # nothing listens there
+        return argv
+    return build
+
+
+def search_running_already(t: Ctx) -> list[str]:
+    """Another process holds the search's lock, as a first driver does (tests/test_search.py)."""
+    storage = t.tmp / "ray"
+    storage.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from trainables.search.job_settings import lock_job; "
+        f"lock_job('dup', {str(storage)!r}, 'search'); print('held', flush=True); time.sleep(120)")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t.defer(lambda: (holder.kill(), holder.wait()))
+    assert holder.stdout.readline().strip() == "held"
+    t.expect.append(f"search dup in {storage} is running already (pid {holder.pid} on ")
+    return ["--smoke-test", "--name", "dup", "--storage", str(storage)]
+
+
+def promote_from_a_store(t: Ctx) -> list[str]:
+    """A local MLflow store under the case's folder holding one search, e2e (made before the snapshot), and
+    `cowtune promote` of a search it does not hold."""
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{t.tmp / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("e2e")
+    t.monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return ["promote", "--search", "cifar10_cowmix", "--out", "p.yaml"]
+
+
+def promoted(t: Ctx, text: str = "model: cnn_tiny\nmix: {name: cowmix}\n") -> str:
+    return str(t.write("promoted.yaml", text))
+
+
+def final(*args: str, text: str = "model: cnn_tiny\nmix: {name: cowmix}\n") -> Callable[[Ctx], list[str]]:
+    return lambda t: ["final", "--config", promoted(t, text), "--storage", "ray", "--out", "fin", *args]
+
+
+def checkpoint(t: Ctx) -> str:
+    """A run folder with a checkpoint of cnn_tiny over classes blue, green, red (32x32), not trained: every
+    evaluate case is refused before a model is built."""
+    import torch
+    from trainables.config import TrainConfig
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "data": {"dataset": "imagefolder", "root": "gone"}})
+    record = {"class_names": ["blue", "green", "red"], "mean": [0.5] * 3, "std": [0.25] * 3,
+              "image_shape": [3, 32, 32], "pipeline": "device"}
+    (t.tmp / "run").mkdir()
+    torch.save({"config": cfg.to_dict(), "epoch": 1, "student": {}, "teacher": {}, "data": record},
+               t.tmp / "run" / "checkpoint.pt")
+    return str(t.tmp / "run")
+
+
+def scored(make: Callable[[Ctx], Path]) -> Callable[[Ctx], list[str]]:
+    return lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(make(t)), "--device", "cpu"]
+
+
+def colour_tree(t: Ctx, names=("blue", "green", "red"), bad: tuple[str, bytes | None] | None = None) -> Path:
+    """test/<class>/000.png, 001.jpg (32x32) with the class folders renamed to ``names``, and the file ``bad[0]``
+    replaced by ``bad[1]`` (None: its first third, truncated)."""
+    from test_evaluate import _write_tree as write_colours
+    write_colours(t.tmp / "scored", {"test": 2})   # test/<blue|green|red>/000.png, 001.jpg
+    for old, new in zip(("blue", "green", "red"), names):
+        if old != new:
+            (t.tmp / "scored" / "test" / old).rename(t.tmp / "scored" / "test" / new)
+    if bad is not None:
+        data = (t.tmp / "scored" / "test" / bad[0]).read_bytes()
+        (t.tmp / "scored" / "test" / bad[0]).write_bytes(data[: len(data) // 3] if bad[1] is None else bad[1])
+    return t.tmp / "scored"
+
+
+ONE_LINE_RANGE = "must satisfy 0.001 <= low <= high"
+
+CASES = [
+    # cowtune train: the config
+    Case("train-unknown-key", "cowtune", digits("train.epoch=2"),
+         ("Unknown key in train 'epoch'.", "Did you mean 'epochs'?")),
+    Case("train-unknown-top-level-key", "cowtune", digits("lr=0.1"), ("Unknown key in config 'lr'. Known: data, ",)),
+    Case("train-prop-range-inverted", "cowtune", digits("mix.prop_range=0.8:0.2"),
+         ("mix.prop_range must satisfy 0.0 <= low <= high <= 1.0, got (0.8, 0.2)",)),
+    Case("train-sigma-zero", "cowtune", digits("mix.sigma_range=0:4"),
+         (f"mix.sigma_range {ONE_LINE_RANGE}, got (0.0, 4.0)",)),
+    Case("train-sigma-negative", "cowtune", digits("mix.sigma_range=-1:4"),
+         (f"mix.sigma_range {ONE_LINE_RANGE}, got (-1.0, 4.0)",)),
+    Case("train-bn-batch-not-a-divisor", "cowtune", digits("train.batch_size=16", "train.bn_batch=5"),
+         ("train.bn_batch must be null or an integer >= 2 that divides train.batch_size (16), got 5",)),
+    Case("train-epochs-zero", "cowtune", digits("train.epochs=0"), ("train.epochs must be >= 1, got 0",)),
+    Case("train-epochs-not-a-number", "cowtune", digits("train.epochs=abc"),
+         ("train.epochs must be an integer, got 'abc'",)),
+    Case("train-unknown-model", "cowtune", digits("model=wrn28_3"), ("Unknown model 'wrn28_3'.", "Did you mean")),
+    Case("train-unknown-dataset", "cowtune", digits("data.dataset=cifar11"),
+         ("Unknown dataset 'cifar11'.", "Did you mean 'cifar10'?")),
+    Case("train-unknown-regularizer", "cowtune", digits("mix.name=cowmixx"),
+         ("Unknown regularizer in mix.name 'cowmixx'.", "Did you mean 'cowmix'?")),
+    Case("train-mixing-regularizer-as-perturb", "cowtune", digits("perturb.name=cowmix"),
+         ("perturb.name must name an erasure regularizer, got 'cowmix'",)),
+    Case("train-n-labeled-more-than-the-data", "cowtune", digits("data.n_labeled=5000"),
+         ("data.n_labeled must be at most the 1497 images left after the validation holdout of 300", "got 5000")),
+    Case("train-n-labeled-fewer-than-one-per-class", "cowtune", digits("data.n_labeled=5"),
+         ("data.n_labeled must be at least the number of classes (10)", "got 5")),
+    Case("train-n-val-the-whole-split", "cowtune", digits("data.n_val=1797"),
+         ("data.n_val must be smaller than the training split (1797 images), got 1797",)),
+    Case("train-n-val-fewer-than-the-classes", "cowtune", digits("data.n_val=5"),
+         ("data.n_val must be 0 or at least the number of classes (10), got 5",)),
+    Case("train-test-split-of-data-without-one", "cowtune", digits("data.eval_split=test"),
+         ("data.eval_split must be 'val' for dataset 'digits' (it has no test split), got 'test'",)),
+    Case("train-override-without-equals", "cowtune", digits("train.epochs"),
+         ("--set takes key=value, got 'train.epochs'",)),
+    Case("train-override-value-does-not-parse", "cowtune", digits("train.epochs=[1"),
+         ("--set 'train.epochs=[1': the value does not parse as YAML or LO:HI: while parsing a flow sequence",
+          "(line 1, column 3)")),
+    Case("train-override-into-a-number", "cowtune", digits("train.epochs.max=3"),
+         ("train.epochs must be a mapping to set 'train.epochs.max', got 8",)),
+    Case("train-yaml-malformed", "cowtune", config_file("model: [cnn_tiny\n"),
+         ("my.yaml is not valid YAML: while parsing a flow sequence, expected ',' or ']'", "(line 2, column 1)")),
+    Case("train-yaml-not-a-mapping", "cowtune", config_file("- model\n- cnn_tiny\n"),
+         ("my.yaml must hold a mapping of config fields, got list",)),
+    Case("train-yaml-not-text", "cowtune", config_file(b"\x89PNG\r\n\x1a\n\xff\xfe\x00"),
+         ("my.yaml is not a YAML file (not UTF-8 text)",)),
+    Case("train-config-file-missing", "cowtune", lambda t: ["train", "nowhere/my.yaml", "--out", "run"],
+         ("config file nowhere/my.yaml does not exist",)),
+    Case("train-config-is-a-folder", "cowtune", lambda t: ["train", str(t.tree("tree")), "--out", "run"],
+         ("is a folder: give a YAML file or a preset name",)),
+    Case("train-unknown-preset", "cowtune", lambda t: ["train", "fsat", "--out", "run"],
+         ("Unknown config preset 'fsat'.", "Did you mean 'fast'?")),
+    Case("train-out-is-a-file", "cowtune", lambda t: digits(out=str(t.write("run", "a file")))(t),
+         ("--out", "run is a file: give a folder")),
+    Case("train-out-under-a-file", "cowtune", lambda t: digits(out=str(t.write("notes", "x") / "run"))(t),
+         ("--out", "notes/run lies under the file", "give a folder")),
+    # cowtune train: the data
+    Case("train-torchvision-files-missing", "cowtune",
+         lambda t: ["train", "fast", *sets("data.dataset=cifar10", f"data.root={t.tmp / 'cifar'}"), "--out", "run"],
+         ("data.root must point at the cifar10 files in torchvision's layout (cifar-10-batches-py)",
+          "`--set data.download=true`")),
+    Case("train-data-root-missing", "cowtune", images(lambda t: t.tmp / "nowhere"),
+         ("data.root must be an ImageFolder tree or a .zip of one", "nowhere' (not found)")),
+    Case("train-data-empty-folder", "cowtune", images(lambda t: (t.tmp / "empty").mkdir() or t.tmp / "empty"),
+         ("data.root must hold image files (.jpg, .jpeg, .png", "empty'")),
+    Case("train-data-empty-zip", "cowtune", images(empty_zip),
+         ("data.root must hold image files (.jpg, .jpeg, .png", "empty.zip'")),
+    Case("train-data-zip-that-is-not-a-zip", "cowtune", images(lambda t: t.write("train.zip", "not a zip")),
+         ("data.root must be an ImageFolder tree or a .zip of one", "(a file that is not a zip archive)")),
+    Case("train-data-loose-images-no-class-folders", "cowtune",
+         images(loose_images),
+         ("data.root must hold images in class folders (<root>/<class>/<image>)",)),
+    Case("train-data-test-class-missing-from-train", "cowtune", images(extra_test_class),
+         ("data.root must have no test classes missing from train (zebra)",)),
+    Case("train-data-truncated-jpeg", "cowtune",
+         images(lambda t: _zip_with_a_truncated_jpeg(t.tmp / "bad.zip", per_class=6, bad="train/b/003.jpg")),
+         ("holds an image that cannot be decoded, train/b/003.jpg (OSError", "remove or replace it")),
+    Case("train-data-truncated-jpeg-first", "cowtune", images(truncated_first),
+         ("holds an image that cannot be decoded, class0/000.jpg (OSError",)),
+    Case("train-data-not-an-image", "cowtune", images(tree_with("class1/002.png", "just text")),
+         ("holds an image that cannot be decoded, class1/002.png (UnidentifiedImageError",)),
+    Case("train-data-not-an-image-first", "cowtune", images(tree_with("class0/000.png", "just text")),
+         ("holds an image that cannot be decoded, class0/000.png (UnidentifiedImageError",)),
+    Case("train-data-class-with-one-image", "cowtune", images(one_image_class),
+         ("data.n_val must allow a stratified split of these labels, got 3", "only 1 member"), cached=True),
+    Case("train-data-mixed-sizes", "cowtune", images(tree_with("class1/zzz.png", image=("RGB", (20, 16)))),
+         ("data.root must hold images of one size for the device pipeline (first is 16x16, class1/zzz.png is "
+          "20x16); use --set data.pipeline=loader for mixed sizes",)),
+    Case("train-data-a-1x1-image", "cowtune", images(tree_with("class2/zzz.png", image=("RGB", (1, 1)))),
+         ("data.root must hold images of one size", "class2/zzz.png is 1x1")),
+    # the search script
+    Case("search-no-trials", "search", search("--trials", "0"), ("--trials must be >= 1, got 0",)),
+    Case("search-no-epochs", "search", search("--epochs", "0"), ("train.epochs must be >= 1, got 0",)),
+    Case("search-trials-not-a-number", "search", search("--trials", "abc"),
+         ("argument --trials: invalid int value: 'abc'",), usage=True),
+    Case("search-unknown-preset", "search", lambda t: ["--preset", "fsat", "--storage", "ray"],
+         ("Unknown config preset 'fsat'.", "Did you mean 'fast'?")),
+    Case("search-data-missing", "search", lambda t: ["--data", "nowhere", "--storage", "ray"],
+         ("--data must name an existing dataset folder or zip, got 'nowhere'",)),
+    Case("search-data-empty-imagefolder", "search",
+         lambda t: ["--data", str((t.tmp / "empty").mkdir() or t.tmp / "empty"), *sets("data.dataset=imagefolder"),
+                    "--storage", "ray"],
+         ("data.root must hold image files",)),
+    Case("search-on-the-test-split", "search", search(*sets("data.eval_split=test")),
+         ("data.eval_split must be 'val' with data.n_val > 0 in a search",)),
+    Case("search-override-does-not-parse", "search", search(*sets("mix.weight={3")),
+         ("--set 'mix.weight={3': the value does not parse as YAML or LO:HI",)),
+    Case("search-storage-is-a-file", "search", lambda t: search(storage=str(t.write("ray", "a file")))(t),
+         ("--storage", "ray is a file: give a folder")),
+    Case("search-storage-under-a-file", "search", lambda t: search(storage=str(t.write("notes", "x") / "ray"))(t),
+         ("--storage", "notes/ray lies under the file")),
+    Case("search-tracking-server-unreachable", "search", unreachable_tracking(["--smoke-test", "--storage", "ray"]),
+         ("(MLFLOW_TRACKING_URI) did not answer within 5 s", "Connection refused"), within_s=5.0),
+    Case("search-running-already", "search", search_running_already,
+         ("wait for it to end, or pass --name NEW for another",)),
+    # cowtune promote
+    Case("promote-unknown-search", "cowtune", promote_from_a_store,
+         ("Unknown search 'cifar10_cowmix' in sqlite:///", "Known: Default, e2e.")),
+    Case("promote-no-tracking-store-here", "cowtune", lambda t: ["promote", "--search", "e2e", "--out", "p.yaml"],
+         ("Unknown search 'e2e': there is no MLflow store at", "mlflow.db (no search was recorded there)")),
+    Case("promote-out-is-a-folder", "cowtune",
+         lambda t: ["promote", "--search", "e2e", "--out", str(t.tree("tree"))], ("--out", "tree is a folder")),
+    Case("promote-out-under-a-file", "cowtune",
+         lambda t: ["promote", "--search", "e2e", "--out", str(t.write("notes", "x") / "p.yaml")],
+         ("--out", "notes/p.yaml lies under the file")),
+    Case("promote-tracking-server-unreachable", "cowtune",
+         unreachable_tracking(["promote", "--search", "e2e", "--out", "p.yaml"]),
+         ("did not answer within 5 s",), within_s=5.0),
+    # cowtune final
+    Case("final-data-without-a-test-split", "cowtune", final("--datasets", "digits=unused", "--labels", "20"),
+         ("dataset 'digits' (unused) has no test split to report",)),
+    Case("final-imagefolder-without-a-test-split", "cowtune",
+         lambda t: final("--datasets", f"imagefolder={t.tree('tree')}", "--labels", "6", "--seeds", "1")(t),
+         ("dataset 'imagefolder' (", "has no test split to report")),
+    Case("final-no-seeds", "cowtune", final("--datasets", "cifar10=data", "--seeds", "0"),
+         ("--seeds must be >= 1, got 0",)),
+    Case("final-config-missing", "cowtune",
+         lambda t: ["final", "--config", "nowhere.yaml", "--datasets", "cifar10=data"],
+         ("--config nowhere.yaml does not exist (write it with `cowtune promote`)",)),
+    Case("final-config-malformed", "cowtune", final("--datasets", "cifar10=data", text="model: [cnn\n"),
+         ("--config", "promoted.yaml is not valid YAML: while parsing a flow sequence",)),
+    Case("final-datasets-malformed", "cowtune", final("--datasets", "cifar10"),
+         ("argument --datasets: expected NAME=DIR[,NAME=DIR...], got 'cifar10'",), usage=True),
+    Case("final-out-is-a-file", "cowtune",
+         lambda t: ["final", "--config", promoted(t), "--datasets", "cifar10=data", "--out", promoted(t)],
+         ("--out", "promoted.yaml is a file: give a folder")),
+    # cowtune evaluate
+    Case("evaluate-checkpoint-missing", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", "nowhere/checkpoint.pt", "--data", str(colour_tree(t))],
+         ("--checkpoint must name a checkpoint.pt or the run folder holding it, got 'nowhere/checkpoint.pt' "
+          "(not found)",)),
+    Case("evaluate-not-a-checkpoint", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", str(t.write("notes.pt", "not a checkpoint")),
+                    "--data", str(colour_tree(t))],
+         ("--checkpoint must be a checkpoint written by `cowtune train`", "(not a PyTorch file")),
+    Case("evaluate-class-folders-not-the-models", "cowtune", scored(lambda t: colour_tree(t, ("blue", "gren", "pink"))),
+         ("--data must hold class folders named as the model's classes (blue, green, red), got 'gren' "
+          "(did you mean 'green'?), 'pink'",)),
+    Case("evaluate-not-an-image-first", "cowtune", scored(lambda t: colour_tree(t, bad=("blue/000.png", b"text"))),
+         ("--data", "holds an image that cannot be decoded, test/blue/000.png (UnidentifiedImageError",)),
+    Case("evaluate-truncated-jpeg", "cowtune", scored(lambda t: colour_tree(t, bad=("red/001.jpg", None))),
+         ("--data", "holds an image that cannot be decoded, test/red/001.jpg (OSError",)),
+    # cowtune masks
+    Case("masks-sigma-zero", "cowtune", lambda t: ["masks", "--sigma", "0:4", "--out", "g.png"],
+         (f"--sigma {ONE_LINE_RANGE}, got (0.0, 4.0)",)),
+    Case("masks-sigma-inverted", "cowtune", lambda t: ["masks", "--sigma", "16:4", "--out", "g.png"],
+         (f"--sigma {ONE_LINE_RANGE}, got (16.0, 4.0)",)),
+    Case("masks-sigma-not-a-range", "cowtune", lambda t: ["masks", "--sigma", "4-16", "--out", "g.png"],
+         ("argument --sigma: expected LO:HI, got '4-16'",), usage=True),
+    Case("masks-out-under-a-file", "cowtune",
+         lambda t: ["masks", "--out", str(t.write("notes", "x") / "g.png"), "--npy", "m.npy"],
+         ("--out", "notes/g.png lies under the file", "give a path in a folder")),
+]
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+@pytest.fixture(scope="module")
+def nothing_starts():
+    """Whatever comes after the checks (a model built to train, MLflow's experiment opened, Ray started, the
+    compile-ahead process) fails the case instead of happening."""
+    import ray
+
+    import trainables.compile_ahead
+    import trainables.search.driver
+    import trainables.search.experiments
+    import trainables.search.final_job
+    import trainables.trainer
+
+    def started(what: str):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a bad input got past its checks: {what}")
+        return refuse
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainables.trainer, "build_runner", started("a model was built to train"))
+        mp.setattr(ray, "init", started("Ray started"))
+        mp.setattr(trainables.search.experiments, "init_ray", started("Ray started"))
+        for module in (trainables.search.driver, trainables.search.final_job):
+            mp.setattr(module, "open_experiment", started("the MLflow experiment was opened"))
+        mp.setattr(trainables.compile_ahead, "start", started("the compile-ahead process started"))
+        yield
+
+
+def files_under(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if CACHE not in p.relative_to(root).parts}
+
+
+def invoke(case: Case, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int | str | None:
+    try:
+        if case.cmd == "cowtune":
+            return main(argv)
+        monkeypatch.setattr(sys, "argv", [str(SCRIPT), *argv])
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_in_one_line_leaving_nothing(case, tmp_path, monkeypatch, capsys, request,
+                                                          nothing_starts):
+    monkeypatch.chdir(tmp_path)   # ./mlflow.db, ./ray_results and runs/ would land here
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / CACHE))
+    for name in ("MLFLOW_TRACKING_URI", "COWTUNE_STORAGE", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = Ctx(tmp_path, monkeypatch, request.addfinalizer)
+    argv = case.build(ctx)
+    before = files_under(tmp_path)
+    capsys.readouterr()
+
+    t0 = time.monotonic()
+    code = invoke(case, argv, monkeypatch)
+    elapsed = time.monotonic() - t0
+    out, err = capsys.readouterr()
+
+    assert "Traceback" not in out + err, err
+    assert code == 2, (code, err)
+    lines = err.splitlines()
+    prog = ("cowtune " + argv[0] if case.cmd == "cowtune" else SCRIPT.name) if case.usage else \
+        ("cowtune" if case.cmd == "cowtune" else SCRIPT.stem)
+    if case.usage:   # argparse: its usage block (wrapped lines indented), then the one error line
+        assert lines[0].startswith(f"usage: {prog} ") and all(line.startswith(" ") for line in lines[1:-1]), err
+    else:
+        assert len(lines) == 1, err
+    assert lines[-1].startswith(f"{prog}: error: "), err
+    for part in (*case.expect, *ctx.expect):
+        assert part in lines[-1], f"{part!r} not in {lines[-1]!r}"
+    if case.within_s is not None:
+        assert elapsed < case.within_s, elapsed
+
+    assert files_under(tmp_path) == before   # nothing written: no run folder, checkpoint, mlflow.db, ray_results
+    cache = [p.name for p in (tmp_path / CACHE).glob("*") if not p.name.endswith(".lock")]
+    assert all(n.endswith(".npz") and ".tmp." not in n for n in cache) if case.cached else not cache, cache
+
+
+def test_the_table_covers_every_command_and_kind_of_input():
+    assert len(CASES) >= 32 and len({c.id for c in CASES}) == len(CASES)
+    commands = {c.id.split("-")[0] for c in CASES}
+    assert commands == {"train", "search", "promote", "final", "evaluate", "masks"}
