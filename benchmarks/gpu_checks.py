@@ -367,7 +367,7 @@ def _shakeshake_grads(where: str, batch: int, reads: int, segmented: bool = Fals
     import torch._inductor.config as inductor
     import torch.nn.functional as F
 
-    from trainables.models import ShakeShakeBlock
+    from trainables.models.shakeshake import ShakeShakeBlock
 
     dev = torch.device(where)
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast_conv import TritonConv2d  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
-from trainables.models import ShakeShakeBlock  # noqa: E402
+from trainables.models.shakeshake import ShakeShakeBlock  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, import_for_triton
 
-from trainables.models import ShakeShakeBlock
+from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.segmented_bn import (SegmentedBatchNorm2d, batch_segments, convert_batch_norm, pairs_in_one_pass,
                                      segmentable)
 
@@ -158,7 +158,7 @@ def test_switched_block_is_the_block(monkeypatch):
     import trainables.segmented_bn as sbn
 
     pair_of = sbn.bn_relu_pair_of
-    monkeypatch.setattr("trainables.models.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
+    monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     x = torch.randn(8, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     x = _cl(x)
     outs, inputs = {}, {}
@@ -210,7 +210,7 @@ def test_compiled_switched_block_is_the_eager_block(monkeypatch):
     import trainables.segmented_bn as sbn
 
     calls, pair_of = [], sbn.bn_relu_pair_of
-    monkeypatch.setattr("trainables.models.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
+    monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     results = {}
     for on, block in ((False, plain), (True, paired)):
         monkeypatch.setattr(ShakeShakeBlock, "paired_inner_bn_relu", on)

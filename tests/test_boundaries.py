@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PURE = sorted((ROOT / "trainables" / "ssl").glob("*.py")) + sorted((ROOT / "trainables" / "data").glob("*.py")) + [
-    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "models.py", "config.py", "optim.py", "evaluate.py")
+PURE = [p for sub in ("ssl", "data", "models") for p in sorted((ROOT / "trainables" / sub).glob("*.py"))] + [
+    ROOT / "trainables" / n for n in ("trainer.py", "step.py", "config.py", "optim.py", "evaluate.py")
 ]
 FORBIDDEN = {"ray", "mlflow", "optuna"}
 
@@ -21,7 +21,7 @@ def imported_roots(path: Path) -> set[str]:
     return roots
 
 
-@pytest.mark.parametrize("path", PURE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(ROOT / "trainables")))
 def test_pure_modules_import_no_search_stack(path):
     assert not imported_roots(path) & FORBIDDEN, f"{path} imports {imported_roots(path) & FORBIDDEN}"
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables.fast_conv import TritonConv2d, apply_conv_kernels, computes_on_rows, eligible, use_triton_convs
-from trainables.models import BnFedConv2d, SameConv2d, create_model
+from trainables.models import create_model
+from trainables.models.layers import BnFedConv2d, SameConv2d
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -238,7 +239,7 @@ def test_switched_shakeshake_computes_the_same(train, folded, rows, monkeypatch)
     """The shake-shake WRN-26 switched against the unswitched model, float64, forward (and backward in training);
     ``rows``: the first block's first convolutions one by one, as where the row kernels compute them (on a GPU; here
     the operator runs PyTorch's convolution); ``folded``: eval mode's batch norms folded (stacked there always)."""
-    from trainables import models
+    from trainables.models import shakeshake as models
 
     monkeypatch.setattr(models, "computes_on_rows", lambda conv, x: rows and isinstance(conv, TritonConv2d))
     monkeypatch.setattr(models.ShakeShakeBlock, "fold_eval_bn", folded)

@@ -119,7 +119,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
 
     from trainables import step
     from trainables.data import Batch
-    from trainables.models import ShakeShakeBlock
+    from trainables.models.shakeshake import ShakeShakeBlock
     from trainables.segmented_bn import SegmentedBatchNorm2d
     from trainables.stored_grad import register_lowering
     from trainables.trainer import build_runner
@@ -167,7 +167,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
 def test_every_switch_of_the_block_is_in_the_compile_key():
     """The first-compile lock's key reads ``COMPILE_KEY_SWITCHES``: a switch left out would let a step compiled with
     it on take kernels compiled with it off."""
-    from trainables.models import ShakeShakeBlock
+    from trainables.models.shakeshake import ShakeShakeBlock
 
     switches = {name for name, value in vars(ShakeShakeBlock).items() if isinstance(value, bool)}
     assert switches == set(ShakeShakeBlock.COMPILE_KEY_SWITCHES)

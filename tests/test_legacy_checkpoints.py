@@ -11,7 +11,8 @@ import torch
 from trainables.config import OptimConfig, TrainConfig
 from trainables.data import prepare_data
 from trainables.legacy_checkpoints import upgrade_optimizer_state
-from trainables.models import ShakeShakeBlock, create_model
+from trainables.models import create_model
+from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.optim import make_optimizer
 from trainables.trainer import fit
 

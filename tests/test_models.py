@@ -1,4 +1,4 @@
-"""Tests for trainables/models.py: registry, shapes, gradients, pinned sizes, shake-shake, SAME pad."""
+"""Tests for trainables/models/: registry, shapes, gradients, pinned sizes, shake-shake, SAME pad."""
 from __future__ import annotations
 
 import re
@@ -6,10 +6,9 @@ import re
 import pytest
 import torch
 
-from trainables.models import (
-    BnFedConv2d, ShakeShakeBlock, SameConv2d, count_parameters, create_model, list_models, register_model,
-    same_pad, shake_combine,
-)
+from trainables.models import count_parameters, create_model, list_models, register_model
+from trainables.models.layers import BnFedConv2d, SameConv2d, same_pad
+from trainables.models.shakeshake import ShakeShakeBlock, shake_combine
 from trainables.validation import ConfigError
 
 SMALL = ["cnn_tiny", "wrn28_2", "wrn26_2_shakeshake", "resnet18"]  # cheap enough for backward

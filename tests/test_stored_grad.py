@@ -15,7 +15,7 @@ from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
 from torch._inductor.virtualized import V
 
-from trainables.models import ShakeShakeBlock
+from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.stored_grad import register_lowering, stored_grad
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from trainables.fast_conv import TritonConv2d, use_triton_convs
-from trainables.models import SameConv2d, create_model
+from trainables.models import create_model
+from trainables.models.layers import SameConv2d
 from trainables.wgrad_stream import (StreamConv2d, apply_wgrad_stream, backward_on_side, on_side, side_stream_wanted,
                                      use_stream_convs)
 

@@ -193,7 +193,7 @@ def _plain_convolution(m: nn.Module) -> bool:
         return m.bias is None or TritonConv2d.same_and_biased
     if not TritonConv2d.same_and_biased:
         return False
-    from trainables.models import SameConv2d   # here: the models import this module
+    from trainables.models.layers import SameConv2d   # here: the models import this module
 
     return (isinstance(m, SameConv2d) and not m.dynamic_pad and type(m).forward is SameConv2d.forward
             and type(m)._conv_forward is nn.Conv2d._conv_forward)

@@ -1,7 +1,7 @@
 """Checkpoints written by earlier layouts of a model, made loadable by the current one.
 
 The shake-shake WRN's convolutions that feed a batch norm used to have a bias (the reference's layout); they
-no longer do (``trainables.models.BnFedConv2d``). Its model state loads as it is: ``ShakeShakeBlock`` folds each
+no longer do (``trainables.models.layers.BnFedConv2d``). Its model state loads as it is: ``ShakeShakeBlock`` folds each
 bias into the batch norm's running mean. The optimiser's state does not: SGD keeps one momentum buffer per
 parameter, numbered in parameter order, and the old numbering has the biases in it.
 ``upgrade_optimizer_state`` drops them and renumbers the rest, so a run checkpointed before the change resumes

@@ -23,7 +23,7 @@ from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
 from trainables.fast_conv import TritonConv2d
-from trainables.models import ShakeShakeBlock
+from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
 from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight

@@ -1,20 +1,16 @@
-"""Model registry: the Wide ResNets, shake-shake WRNs and ResNets used for CowMask experiments.
+"""The shake-shake WRNs of arXiv:2003.12022: ``wrn26_6_shakeshake`` (the paper's "WRN-26 shake-shake 96x2d"),
+``wrn26_2_shakeshake``, ``wrn20_6_shakeshake``.
 
-Paper: "Milking CowMask for Semi-Supervised Image Classification", French, Oliver, Salimans,
-arXiv:2003.12022. The shake-shake WRN follows the published implementation
-(`architectures/model_wrn_shakeshake.py`), see reference §6.1: 3x3 conv + BN shortcuts, LeCun
-truncated-normal init and TF "SAME" padding on stride-2 convs. Its convolutions that feed a batch norm
-carry no bias (``BnFedConv2d``): the reference gives them one, but batch norm takes each channel's mean
-out, so the bias changes no output, its gradient is zero (up to rounding), and with the L2 penalty on
-kernels only it stays at about its zero init; 26,942,474 parameters for 10 classes where the reference
-counts 26,953,898. A state dict with those biases loads, each folded into its batch norm's running mean.
-
-All models take NCHW float images (any size ≥ 32; `cnn_tiny` ≥ 8) and return logits (N, classes).
+They follow the published implementation (`architectures/model_wrn_shakeshake.py`, reference §6.1): 3x3 conv + BN
+shortcuts, LeCun truncated-normal init and TF "SAME" padding on stride-2 convs. Their convolutions that feed a batch
+norm carry no bias (``BnFedConv2d``): the reference gives them one, but batch norm takes each channel's mean out, so
+the bias changes no output, its gradient is zero (up to rounding), and with the L2 penalty on kernels only it stays
+at about its zero init; 26,942,474 parameters for 10 classes where the reference counts 26,953,898. A state dict
+with those biases loads, each folded into its batch norm's running mean.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,117 +18,10 @@ from torch import nn
 
 from trainables.conv_bias_relu import conv_bias_relu
 from trainables.fast_conv import computes_on_rows
-from trainables.segmented_bn import bn_relu, bn_relu_pair_of, convert_batch_norm, pairs_in_one_pass
+from trainables.models.layers import BnFedConv2d, SameConv2d, lecun_init_
+from trainables.models.registry import register_model
+from trainables.segmented_bn import bn_relu_pair_of, pairs_in_one_pass
 from trainables.stored_grad import stored_grad
-from trainables.validation import unknown_name
-
-MODELS: dict[str, Callable[[int], nn.Module]] = {}
-
-
-def register_model(name: str) -> Callable[[Callable[[int], nn.Module]], Callable[[int], nn.Module]]:
-    """Decorator adding ``builder(num_classes) -> nn.Module`` to MODELS under ``name``.
-
-    Raises:
-        ValueError: ``name`` is already registered (a silent overwrite would hide a clash).
-    """
-    if name in MODELS:
-        raise ValueError(f"model '{name}' is already registered")
-
-    def deco(builder: Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
-        MODELS[name] = builder
-        return builder
-
-    return deco
-
-
-def create_model(name: str, num_classes: int) -> nn.Module:
-    """Build a registered model with freshly initialised weights (never downloads anything).
-
-    Batch-norm layers are ``SegmentedBatchNorm2d``: plain batch norm unless a step stacks several
-    batches into one call (``trainables.segmented_bn``).
-
-    Raises:
-        ConfigError: ``name`` is not registered; the message lists known names and the closest.
-    """
-    check_model(name)
-    return convert_batch_norm(MODELS[name](num_classes))
-
-
-def check_model(name: str) -> None:
-    """Raises ConfigError, listing the known names and the closest, unless ``name`` is a registered model."""
-    if name not in MODELS:
-        raise unknown_name("model", name, MODELS)
-
-
-def list_models() -> list[str]:
-    return sorted(MODELS)
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of trainable parameters (BN running statistics are buffers and not counted)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-def same_pad(x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Pad H and W by the TF/XLA "SAME" rule: odd totals put the extra row/col bottom/right.
-
-    total = max((ceil(in/s) - 1)*s + k - in, 0), left = total // 2. For a stride-2 3x3 conv on an
-    even size this is (0, 1), where PyTorch's ``padding=1`` would give (1, 1) and shift the grid.
-    """
-    h, w = x.shape[-2:]
-    ph = max((math.ceil(h / stride) - 1) * stride + kernel - h, 0)
-    pw = max((math.ceil(w / stride) - 1) * stride + kernel - w, 0)
-    if ph == 0 and pw == 0:
-        return x
-    return F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
-
-
-class SameConv2d(nn.Conv2d):
-    """Conv2d with TF "SAME" padding (reference §6), as in the flax models of arXiv:2003.12022."""
-
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, bias: bool = True):
-        # Stride 1 with an odd kernel is symmetric, so plain padding avoids an extra F.pad copy.
-        symmetric = stride == 1 and kernel % 2 == 1
-        super().__init__(cin, cout, kernel, stride, padding=kernel // 2 if symmetric else 0, bias=bias)
-        self.dynamic_pad = not symmetric
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with the SAME padding this convolution's own ``padding`` leaves out (stride 2: bottom and right)."""
-        return same_pad(x, self.kernel_size[0], self.stride[0]) if self.dynamic_pad else x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.pad(x))
-
-    def with_weights(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """This convolution's padding and stride with other weights (a folded batch norm's), as a plain
-        ``F.conv2d`` whatever class the layer was switched to."""
-        return F.conv2d(self.pad(x), weight, bias, self.stride, self.padding, self.dilation, self.groups)
-
-
-class BnFedConv2d(SameConv2d):
-    """A ``SameConv2d`` without bias whose output goes straight into a batch norm, which would cancel one.
-
-    A state dict that has the bias (the reference's layout, or a checkpoint of ours from before) loads through
-    ``ShakeShakeBlock``, which folds the bias into that batch norm's running mean."""
-
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1):
-        super().__init__(cin, cout, kernel, stride, bias=False)
-
-
-def lecun_init_(model: nn.Module) -> None:
-    """flax defaults: LeCun truncated-normal kernels (±2 std, std rescaled by 0.8796), zero biases."""
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            fan_in = m.weight[0].numel()
-            std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # std of N(0,1) truncated at ±2
-            nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.BatchNorm2d):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
 
 def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
@@ -144,63 +33,6 @@ def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
     """
     return beta * a + (1 - beta) * b + ((alpha - beta) * (a - b)).detach()
 
-
-# ----------------------------------------------------------------------------- Wide ResNet
-
-class PreActBlock(nn.Module):
-    """Pre-activation WRN block (Zagoruyko & Komodakis, arXiv:1605.07146)."""
-
-    def __init__(self, cin: int, cout: int, stride: int, dropout: float):
-        super().__init__()
-        self.bn1, self.bn2 = nn.BatchNorm2d(cin), nn.BatchNorm2d(cout)
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.shortcut = None
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Conv2d(cin, cout, 1, stride, 0, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        o = bn_relu(self.bn1, x)
-        # On a shape change the shortcut sees the activated input (original WRN code).
-        skip = x if self.shortcut is None else self.shortcut(o)
-        o = self.conv1(o)
-        o = self.conv2(self.dropout(bn_relu(self.bn2, o)))
-        return skip + o
-
-
-class WideResNet(nn.Module):
-    """WRN-depth-widen (arXiv:1605.07146), the backbone of most SSL papers (e.g. WRN-28-2)."""
-
-    def __init__(self, depth: int, widen: int, num_classes: int, dropout: float = 0.0):
-        super().__init__()
-        if (depth - 4) % 6:
-            raise ValueError(f"depth must be 6n+4, got {depth}")
-        n = (depth - 4) // 6
-        widths = [16 * widen, 32 * widen, 64 * widen]
-        self.stem = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-        blocks, cin = [], 16
-        for g, cout in enumerate(widths):
-            for i in range(n):
-                blocks.append(PreActBlock(cin, cout, 2 if (g > 0 and i == 0) else 1, dropout))
-                cin = cout
-        self.blocks = nn.Sequential(*blocks)
-        self.bn = nn.BatchNorm2d(cin)
-        self.fc = nn.Linear(cin, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        nn.init.zeros_(self.fc.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = bn_relu(self.bn, self.blocks(self.stem(x)))
-        return self.fc(x.mean((2, 3)))  # (N, C) global average pool
-
-
-# ----------------------------------------------------------------------------- shake-shake WRN
 
 def _bn_fed_conv(cin: int, cout: int, stride: int) -> SameConv2d:
     """A 3x3 convolution feeding a batch norm: without bias, or with one where ``ShakeShakeBlock.bias_free_bn_convs``
@@ -359,36 +191,6 @@ class ShakeShakeWRN(nn.Module):
         return self.fc(x.mean((2, 3)))  # (N, C); the 8x8 pool of the reference at 32x32
 
 
-# ----------------------------------------------------------------------------- tiny CNN
-
-class TinyCNN(nn.Module):
-    """Three-conv CNN for CPU tests and laptop smoke runs; not from any paper."""
-
-    def __init__(self, num_classes: int, width: int = 32):
-        super().__init__()
-        layers, cin = [], 3
-        for cout, stride in [(width, 1), (2 * width, 2), (4 * width, 2)]:
-            layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-            cin = cout
-        self.features = nn.Sequential(*layers)
-        self.fc = nn.Linear(cin, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.features(x).mean((2, 3)))
-
-
-# ----------------------------------------------------------------------------- registrations
-
-@register_model("wrn28_2")
-def wrn28_2(num_classes: int) -> nn.Module:
-    return WideResNet(28, 2, num_classes)
-
-
-@register_model("wrn28_8")
-def wrn28_8(num_classes: int) -> nn.Module:
-    return WideResNet(28, 8, num_classes)
-
-
 @register_model("wrn26_6_shakeshake")
 def wrn26_6_shakeshake(num_classes: int) -> nn.Module:
     return ShakeShakeWRN(4, 6, num_classes)
@@ -405,28 +207,3 @@ def wrn20_6_shakeshake(num_classes: int) -> nn.Module:
 
 
 # torchvision definitions, random init; zero-init of the last BN matches reference §6.4.
-def _torchvision_resnet(name: str, num_classes: int) -> nn.Module:
-    import torchvision.models   # here, not at the top: torchvision imports torch._dynamo (2 s), which
-    # a search driver or a `cowtune` command that builds no model never needs
-
-    return getattr(torchvision.models, name)(weights=None, num_classes=num_classes, zero_init_residual=True)
-
-
-@register_model("resnet18")
-def resnet18(num_classes: int) -> nn.Module:
-    return _torchvision_resnet("resnet18", num_classes)
-
-
-@register_model("resnet50")
-def resnet50(num_classes: int) -> nn.Module:
-    return _torchvision_resnet("resnet50", num_classes)
-
-
-@register_model("resnet152")
-def resnet152(num_classes: int) -> nn.Module:
-    return _torchvision_resnet("resnet152", num_classes)
-
-
-@register_model("cnn_tiny")
-def cnn_tiny(num_classes: int) -> nn.Module:
-    return TinyCNN(num_classes)
