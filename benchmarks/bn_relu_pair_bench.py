@@ -1,5 +1,5 @@
-"""The paired inner batch norms' backward kernels (trainables/bn_relu_pair.py) against Inductor's, at the shake-shake
-WRN-26 96x2d step's shapes.
+"""The paired inner batch norms' backward kernels (trainables/fast/bn_relu_pair.py) against Inductor's, at the
+shake-shake WRN-26 96x2d step's shapes.
 
 For each stage's shape (512 images in two segments, bf16, channels_last: 2 x 96 channels at 32x32, 2 x 192 at 16x16,
 2 x 384 at 8x8) it times, each captured in a CUDA graph and replayed by triton.testing.do_bench (median, L2 flushed):
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
         require_gpu("bn_relu_pair_bench.py")
     from conv_rows_bench import PEAK_BW, time_graph
-    from trainables import bn_relu_pair as brp
+    from trainables.fast import bn_relu_pair as brp
 
     timed = args.device == "cuda"
     name = torch.cuda.get_device_name() if timed else "cpu (Triton's interpreter)"

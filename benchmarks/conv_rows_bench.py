@@ -1,4 +1,4 @@
-"""The row-streaming 3x3 convolutions (trainables/conv_rows.py) against cuDNN, on WRN-28-2's shapes.
+"""The row-streaming 3x3 convolutions (trainables/fast/conv_rows.py) against cuDNN, on WRN-28-2's shapes.
 
 For each shape (bf16, channels_last, stride 1, padding 1) and op (fprop, dgrad, wgrad) it times
 cuDNN and every candidate tile configuration of the row kernel, each captured in a CUDA graph whose
@@ -115,7 +115,7 @@ def run_shape(shape, device, dtype, peak_bw: float, ops: list[str], tiny: bool, 
               table_only: bool = False) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    import trainables.conv_rows as cr
+    import trainables.fast.conv_rows as cr
 
     n, c, k, h, w = shape
     cl = torch.channels_last

@@ -26,7 +26,7 @@
 8. ``check_losses_switched_on(variant)``: the losses check (1) with the class switches of step_ab's experiment
    ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below.
    ``losses_shakeshake_96``: the losses check for the WRN-26 shake-shake 96x2d, whose step pairs the inner batch norms.
-9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.bn_relu_pair``) at
+9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.fast.bn_relu_pair``) at
    the shake-shake step's shapes against the PyTorch formula in float64; ``paired_grads_shakeshake``: the model's
    gradients with them, compiled, against eager float32, and that the compiled step ran them.
 
@@ -79,10 +79,10 @@ from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
+from trainables.fast.wgrad_stream import empty_conv_output  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
-from trainables.wgrad_stream import empty_conv_output  # noqa: E402
 
 UNFOLDED = SWITCHES["unfolded-teacher"]   # switched off: the shake-shake model's eval mode unfolded
 PAIRED = SWITCHES["unpaired-inner-bn-relu"]   # switched off: each shake-shake block's inner batch norms unpaired
@@ -164,7 +164,7 @@ def check_resume() -> bool:
 
 def check_step_graph(steps: int = 6, method: dict | None = None) -> bool:
     device = torch.device("cuda")
-    # cuDNN in both: the Triton convolutions run only inside a step graph (trainables.fast_conv)
+    # cuDNN in both: the Triton convolutions run only inside a step graph (trainables.fast.fast_conv)
     cfgs = [config(precision="fp32", compile=False, channels_last=False, deterministic=True, cuda_graph=g,
                    conv_kernels="cudnn") for g in ("none", "step")]
     if method is not None:
@@ -237,7 +237,7 @@ def check_wgrad_stream(steps: int = 6, model: str = "wrn28_2", exact_to_unswitch
     stream was done would show as a difference. ``model`` trains (WRN-28-2: row kernels and cuDNN's; shake-shake:
     cuDNN's alone, with its two first convolutions of a block as one on the main stream). With
     ``exact_to_unswitched`` the switched layers must also give the unswitched model's weights, bit for bit."""
-    from trainables import wgrad_stream
+    from trainables.fast import wgrad_stream
 
     batches = step_batches(steps, "cuda")
     states = {}
@@ -421,8 +421,8 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
     convolutions alone, Inductor's default options.)"""
     from torch._inductor import lowering
 
+    from trainables.fast.stored_grad import register_lowering
     from trainables.step import REALIZE_READS_BY_MODEL
-    from trainables.stored_grad import register_lowering
 
     register_lowering()
     op = torch.ops.cowtune.store.default
@@ -461,7 +461,7 @@ def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
     block's inner batch norms paired (``ShakeShakeBlock.paired_inner_bn_relu``, our kernels) and not, both against the
     eager float32 pass's gradients (``_no_worse``); the paired compile must have run the kernels, not the PyTorch
     formula's fallback. ``where`` "cpu": this function's logic (the kernels run only in Triton's interpreter there)."""
-    from trainables import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
+    from trainables.fast import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
     from trainables.step import REALIZE_READS_BY_MODEL
 
     ok = True
@@ -488,7 +488,7 @@ def check_bn_relu_pair(where: str = "cuda", images: int = 512) -> bool:
     rounding), the weight and bias gradients within 1e-3. (``where="cpu"``: in Triton's interpreter, for the tests.)"""
     from bn_relu_pair_bench import SHAPES, inputs, rel_errors
 
-    from trainables.bn_relu_pair import _reference_backward, bn_relu_pair_backward, kernels_run
+    from trainables.fast.bn_relu_pair import _reference_backward, bn_relu_pair_backward, kernels_run
 
     ok = True
     for _, c, hw in SHAPES:

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_required import require_gpu  # noqa: E402  (this folder: on sys.path when run as a script)
+from trainables.fast.stored_grad import register_lowering  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
-from trainables.stored_grad import register_lowering  # noqa: E402
 
 dev = torch.device("cuda")
 out = {}
@@ -125,7 +125,7 @@ def kernel_classes(events, steps):
             continue
         n = e.key
         lo = n.lower()
-        if lo.startswith("_conv_rows_fwd"):   # ours (trainables/conv_rows.py): forward and input gradient
+        if lo.startswith("_conv_rows_fwd"):   # ours (trainables/fast/conv_rows.py): forward and input gradient
             c = "conv fprop+dgrad (ours)"
         elif lo.startswith("_conv_rows_wgrad"):
             c = "conv wgrad (ours)"

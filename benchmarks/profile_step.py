@@ -30,8 +30,8 @@ from gpu_required import require_gpu  # noqa: E402
 from step_ab import SWITCHED_ON, SWITCHES, variant_switched  # noqa: E402
 from throughput import load_images, make_config  # noqa: E402
 
-from trainables import wgrad_stream  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
+from trainables.fast import wgrad_stream  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 

@@ -5,7 +5,7 @@
 - the teacher's (256 images) two second convolutions against one dense 2C -> C convolution (their eval-mode
   average, ``ShakeShakeBlock.folded``);
 - the teacher's stacked first convolution with bias and ReLU as three eager kernels, against cuDNN's fused
-  ``torch.cudnn_convolution_relu`` (``trainables.conv_bias_relu``).
+  ``torch.cudnn_convolution_relu`` (``trainables.fast.conv_bias_relu``).
 
     python benchmarks/shakeshake_convs.py
 

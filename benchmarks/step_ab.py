@@ -4,7 +4,7 @@ Each variant's runner is built and captured first; then rounds of ``--steps`` st
 variants in turn, so drift of the GPU's clocks and of the host falls on all of them alike:
 
     cudnn   train.conv_kernels=cudnn: cuDNN for every convolution
-    triton  train.conv_kernels=triton: the row-streaming kernels (trainables/conv_rows.py) for the
+    triton  train.conv_kernels=triton: the row-streaming kernels (trainables/fast/conv_rows.py) for the
             ops and shapes in their table (conv_rows.CONFIGS), cuDNN for the rest
     sweep   as wgrad-stream (the trainer's defaults), with the table's configurations for the shapes in
             conv_rows_bench.py results (``--rows-json``) replaced by the best one per op and shape there, where
@@ -38,7 +38,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
             those in step.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
-            readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/stored_grad.py)
+            readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
             (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
@@ -49,7 +49,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
     unpaired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as layers
             of their own, Inductor's backward, instead of one function over the stacked first convolution's output
-            whose backward is our own kernels (ShakeShakeBlock.paired_inner_bn_relu false; trainables/bn_relu_pair.py)
+            whose backward is our own kernels (ShakeShakeBlock.paired_inner_bn_relu false;
+            trainables/fast/bn_relu_pair.py)
     inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
             options as well, over the trainer's own (``torch._inductor.config`` names, values as Python literals
             of the option's type, no commas), for trying one of Inductor's settings before it becomes a field:
@@ -84,13 +85,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_required import require_gpu  # noqa: E402
 from throughput import load_images, make_config, time_steps  # noqa: E402
 
-from trainables import conv_rows  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
-from trainables.fast_conv import TritonConv2d  # noqa: E402
-from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
+from trainables.fast import conv_rows  # noqa: E402
+from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
+from trainables.fast.step_graph import StepGraph  # noqa: E402
 from trainables.models.shakeshake import ShakeShakeBlock  # noqa: E402
+from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
-from trainables.step_graph import StepGraph  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}

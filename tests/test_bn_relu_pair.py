@@ -1,4 +1,4 @@
-"""trainables.bn_relu_pair: both inner batch norms + ReLUs of a shake-shake block as one function.
+"""trainables.fast.bn_relu_pair: both inner batch norms + ReLUs of a shake-shake block as one function.
 
 The backward kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1 around the module's import, as in
 test_conv_rows), against the PyTorch formula; the function and the switched block against separate batch norms and
@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 
 def _import_as(interpreted: bool):
-    return import_for_triton("trainables.bn_relu_pair", interpreted)
+    return import_for_triton("trainables.fast.bn_relu_pair", interpreted)
 
 
 def _import_interpreted():
@@ -115,7 +115,7 @@ def _separate(y, weight, bias, segments, eps):
 def test_function_gives_separate_batch_norms_outputs_and_gradients():
     """Float64 on the CPU (the PyTorch formula): outputs, statistics, and the gradients of the input, weights and
     biases, against two batch norms and ReLUs per segment."""
-    from trainables.bn_relu_pair import bn_relu_pair
+    from trainables.fast.bn_relu_pair import bn_relu_pair
 
     g = torch.Generator().manual_seed(1)
     y = _cl(torch.randn(6, 16, 5, 5, generator=g, dtype=torch.float64)).requires_grad_()

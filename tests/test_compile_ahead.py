@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainables import compile_ahead
 from trainables.config import TrainConfig
+from trainables.fast import compile_ahead
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def _trial_counters(cache: Path, out: Path) -> dict:
 def test_a_trial_after_compile_ahead_loads_every_graph(tmp_path):
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(CONFIG))
-    r = subprocess.run([sys.executable, "-m", "trainables.compile_ahead", str(cfg_file)], env=_env(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "trainables.fast.compile_ahead", str(cfg_file)], env=_env(tmp_path),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile ahead: compiled the cnn_tiny cowmix step (first step" in r.stdout
@@ -69,9 +69,9 @@ def test_start_only_where_a_gpu_would_use_it():
 
 
 def test_bad_invocation_says_how_to_call_it():
-    r = subprocess.run([sys.executable, "-m", "trainables.compile_ahead"], env=_env(Path("/nonexistent")),
+    r = subprocess.run([sys.executable, "-m", "trainables.fast.compile_ahead"], env=_env(Path("/nonexistent")),
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "usage: python -m trainables.compile_ahead CONFIG.json" in r.stderr
+    assert r.returncode == 2 and "usage: python -m trainables.fast.compile_ahead CONFIG.json" in r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -83,7 +83,7 @@ def test_start_runs_on_a_gpu(tmp_path):   # pragma: no cover - CI has no GPU
 
 def test_compiled_before_reads_the_marker_the_lock_leaves(tmp_path, monkeypatch):
     """compile_ahead exits at once where the step compiled before: it asks the lock's own marker."""
-    from trainables import compile_lock
+    from trainables.fast import compile_lock
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert compile_lock.cache_folder() == tmp_path

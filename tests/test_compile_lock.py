@@ -8,13 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from trainables.compile_lock import LOCK_NAME, cache_folder, first_compile_lock, step_key
+from trainables.fast.compile_lock import LOCK_NAME, cache_folder, first_compile_lock, step_key
 
 # A compiling process under the test's control: it gets ready (imports torch: seconds), asks for the lock
 # when told "go", says when it got in, and holds the lock until it is told its compilation is done.
 COMPILER = """
 import sys, time
-from trainables.compile_lock import cache_folder, first_compile_lock
+from trainables.fast.compile_lock import cache_folder, first_compile_lock
 cache_folder()
 print("ready", flush=True)
 sys.stdin.readline()
@@ -135,8 +135,8 @@ def test_operator_changes_key_the_compile_caches(tmp_path, monkeypatch):
     kept), and the hash follows the sources: a cached backward of an older operator is never loaded."""
     import torch.compiler.config as compiler
 
-    import trainables.compile_lock as cl
-    import trainables.fast_conv  # noqa: F401   (tags the caches on import)
+    import trainables.fast.compile_lock as cl
+    import trainables.fast.fast_conv  # noqa: F401   (tags the caches on import)
 
     ours = f"cowtune-operators-{cl.operators_version()}"
     assert ours in compiler.cache_key_tag

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from trainables.conv_bias_relu import conv_bias_relu, fused_wanted
+from trainables.fast.conv_bias_relu import conv_bias_relu, fused_wanted
 
 CASES = [((1, 1), (1, 1), torch.channels_last), ((2, 2), (0, 0), torch.channels_last),
          ((1, 1), (1, 1), torch.contiguous_format), ((2, 2), (0, 0), torch.contiguous_format)]

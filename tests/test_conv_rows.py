@@ -1,4 +1,4 @@
-"""trainables.conv_rows against PyTorch's convolution, on CPU through Triton's interpreter.
+"""trainables.fast.conv_rows against PyTorch's convolution, on CPU through Triton's interpreter.
 
 Triton decides interpreter or compiler when ``@triton.jit`` runs, i.e. when conv_rows is imported,
 so it is imported with TRITON_INTERPRET=1 set around the import (conftest.import_for_triton: no other
@@ -15,7 +15,7 @@ from conftest import import_for_triton
 pytest.importorskip("triton", reason="triton is not installed: the Triton convolutions cannot run")
 
 
-cr = import_for_triton("trainables.conv_rows", interpreted=True)
+cr = import_for_triton("trainables.fast.conv_rows", interpreted=True)
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 

@@ -208,9 +208,9 @@ def test_chunked_batches_are_the_views_made_one_by_one(digits, twice, chunk):
 @pytest.mark.parametrize("twice", [False, True])
 def test_a_steps_views_lie_back_to_back(digits, twice):
     """A captured step copies a step's images into its inputs at once when they lie one after the other in one
-    storage (trainables.step_graph.back_to_back), as the device pipeline lays them out; a batch put together from
+    storage (trainables.fast.step_graph.back_to_back), as the device pipeline lays them out; a batch put together from
     separate tensors is copied view by view."""
-    from trainables.step_graph import back_to_back
+    from trainables.fast.step_graph import back_to_back
 
     for b in digits.train_batches(0, 1, 16, 5, twice):
         views = [b.x_sup, b.x_unsup0] + ([b.x_unsup1] if twice else [])

@@ -1,4 +1,4 @@
-"""The ``cowtune::conv3x3`` operator and the model switch to it (``trainables.fast_conv``), on CPU:
+"""The ``cowtune::conv3x3`` operator and the model switch to it (``trainables.fast.fast_conv``), on CPU:
 its registrations (fake, autograd) agree with the real kernels, a switched model computes what the
 original does, forward and backward, eagerly and under torch.compile."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables.fast_conv import TritonConv2d, apply_conv_kernels, computes_on_rows, eligible, use_triton_convs
+from trainables.fast.fast_conv import TritonConv2d, apply_conv_kernels, computes_on_rows, eligible, use_triton_convs
 from trainables.models import create_model
 from trainables.models.layers import BnFedConv2d, SameConv2d
 
@@ -119,12 +119,12 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
     import importlib
     import sys
 
-    from trainables import fast_conv
+    from trainables.fast import fast_conv
 
-    before = sys.modules.get("trainables.conv_rows")
+    before = sys.modules.get("trainables.fast.conv_rows")
     was_interpreted = getattr(before, "INTERPRET", None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # read when conv_rows' kernels are defined
-    module = importlib.reload(before) if before is not None else importlib.import_module("trainables.conv_rows")
+    module = importlib.reload(before) if before is not None else importlib.import_module("trainables.fast.conv_rows")
     monkeypatch.delenv("TRITON_INTERPRET")
     try:
         g = torch.Generator().manual_seed(0)
@@ -173,7 +173,7 @@ def test_cuda_kernels_of_the_operators_in_the_interpreter(monkeypatch):
         torch.testing.assert_close(dw, expect_dw16, rtol=1e-4, atol=1e-4)
     finally:   # leave the module as this test found it: compiled kernels stay compiled for later tests
         if before is None:
-            del sys.modules["trainables.conv_rows"]
+            del sys.modules["trainables.fast.conv_rows"]
         elif not was_interpreted:
             importlib.reload(module)
 
@@ -184,7 +184,7 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from trainables import conv_rows, fast_conv
+    from trainables.fast import conv_rows, fast_conv
 
     calls = []
 

@@ -119,9 +119,9 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
 
     from trainables import step
     from trainables.data import Batch
+    from trainables.fast.stored_grad import register_lowering
     from trainables.models.shakeshake import ShakeShakeBlock
     from trainables.segmented_bn import SegmentedBatchNorm2d
-    from trainables.stored_grad import register_lowering
     from trainables.trainer import build_runner
 
     seen: list[tuple[bool, int]] = []
@@ -185,7 +185,7 @@ def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
 def test_every_switch_of_the_row_kernels_layer_is_in_the_compile_key():
     """As above, for the row kernels' switch (it decides which layers run the operator, and whether a shake-shake
     block's first convolutions are stacked)."""
-    from trainables.fast_conv import TritonConv2d
+    from trainables.fast.fast_conv import TritonConv2d
     from trainables.step import GRAPH_SWITCH_OWNERS
 
     switches = {name for name, value in vars(TritonConv2d).items() if isinstance(value, bool)}

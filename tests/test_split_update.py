@@ -1,13 +1,13 @@
-"""The optimiser update and teacher EMA in two parts (trainables.split_update) give what one update gives."""
+"""The optimiser update and teacher EMA in two parts (trainables.fast.split_update) give what one update gives."""
 import copy
 
 import torch
 from torch import nn
 
 from trainables.config import OptimConfig
+from trainables.fast.split_update import sgd_part_, split_update
 from trainables.models import create_model
 from trainables.optim import make_optimizer
-from trainables.split_update import sgd_part_, split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, make_teacher
 
 

@@ -15,8 +15,8 @@ from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
 from torch._inductor.virtualized import V
 
+from trainables.fast.stored_grad import register_lowering, stored_grad
 from trainables.models.shakeshake import ShakeShakeBlock
-from trainables.stored_grad import register_lowering, stored_grad
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,15 +56,15 @@ def test_the_registration_keys_the_compile_caches():
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 import torch.compiler.config as compiler
-from trainables.stored_grad import register_lowering
+from trainables.fast.stored_grad import register_lowering
 register_lowering()
 import trainables.models
 print(compiler.cache_key_tag)
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    from trainables.compile_lock import operators_version
-    from trainables.stored_grad import CACHE_TAG
+    from trainables.fast.compile_lock import operators_version
+    from trainables.fast.stored_grad import CACHE_TAG
 
     assert r.stdout.split()[-1] == f"cowtune-operators-{operators_version()}+{CACHE_TAG}", r.stdout
 
@@ -143,7 +143,7 @@ import torch, torch._dynamo, torch._inductor.config as inductor
 from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
 from torch._inductor.virtualized import V
-from trainables.stored_grad import register_lowering, stored_grad
+from trainables.fast.stored_grad import register_lowering, stored_grad
 
 def f(x):
     return (stored_grad(x).sin() * 2).sum()

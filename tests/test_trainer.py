@@ -196,7 +196,7 @@ def test_packed_trials_take_turns_for_their_steps_but_not_their_first(digits, tm
     import tempfile
     import threading
 
-    from trainables.gpu_turns import gpu_turn
+    from trainables.fast.gpu_turns import gpu_turn
     from trainables.trainer import train_epoch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # where gpu_turn keeps its lock files
     cfg = tiny_config("cowmix", steps_per_epoch=4)

@@ -1,4 +1,4 @@
-"""The ``cowtune::conv2d`` operator and the switch to it (``trainables.wgrad_stream``), on CPU: its
+"""The ``cowtune::conv2d`` operator and the switch to it (``trainables.fast.wgrad_stream``), on CPU: its
 registrations agree with the real kernels, switched models compute what the originals do, forward and
 backward, eagerly, under autocast and under torch.compile. (The side stream itself needs a GPU:
 ``benchmarks/gpu_checks.py wgrad_stream`` checks that it changes no bit of the weights.)"""
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from trainables.fast_conv import TritonConv2d, use_triton_convs
+from trainables.fast.fast_conv import TritonConv2d, use_triton_convs
 from trainables.models import create_model
 from trainables.models.layers import SameConv2d
-from trainables.wgrad_stream import (StreamConv2d, apply_wgrad_stream, backward_on_side, on_side, side_stream_wanted,
-                                     use_stream_convs)
+from trainables.fast.wgrad_stream import (StreamConv2d, apply_wgrad_stream, backward_on_side, on_side,
+                                          side_stream_wanted, use_stream_convs)
 
 
 @pytest.mark.parametrize("stride, padding, kernel, channels_last",
@@ -124,7 +124,7 @@ def test_a_biased_stream_convolution_is_refused():
 
 
 def test_nothing_goes_to_a_side_stream_off_the_gpu():
-    from trainables import wgrad_stream
+    from trainables.fast import wgrad_stream
 
     x = torch.ones(3)
     with backward_on_side(True, torch.device("cpu")):

@@ -137,10 +137,10 @@ class TrainSettings:
                                       # one trial at a time, instead of time-slicing the GPU
     conv_kernels: str = "triton"      # cuda: "triton" = our kernels for the 3x3 stride-1 convolutions where
                                       # they beat cuDNN (on sm90: H100, H200), cuDNN for the rest; "cudnn" =
-                                      # cuDNN for all (trainables.fast_conv)
+                                      # cuDNN for all (trainables.fast.fast_conv)
     wgrad_stream: bool = True         # cuda, compiled, one stacked student call, cuda_graph "step": the
                                       # convolutions' weight gradients on a side stream, beside the rest of
-                                      # the backward pass (trainables.wgrad_stream)
+                                      # the backward pass (trainables.fast.wgrad_stream)
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
                                       # pay (trainables.step.COMBO_KERNEL_MODELS)

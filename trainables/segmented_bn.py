@@ -225,9 +225,9 @@ def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool
 
 def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``trainables.bn_relu_pair``), with each
-    layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
-    from trainables.bn_relu_pair import bn_relu_pair
+    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``trainables.fast.bn_relu_pair``), with
+    each layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
+    from trainables.fast.bn_relu_pair import bn_relu_pair
 
     s = len(bn_a.segments)
     ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,

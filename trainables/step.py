@@ -18,21 +18,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainables import metrics as M
-from trainables.compile_lock import first_compile_lock, operators_version, step_key
 from trainables.config import MixPath, PerturbPath, TrainConfig
-from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
-from trainables.fast_conv import TritonConv2d
+from trainables.fast.compile_lock import first_compile_lock, operators_version, step_key
+from trainables.fast.cuda_streams import shared_stream
+from trainables.fast.fast_conv import TritonConv2d
+from trainables.fast.split_update import split_update
+from trainables.fast.step_graph import StepGraph
+from trainables.fast.stored_grad import register_lowering as register_store_lowering
+from trainables.fast.wgrad_stream import backward_on_side, side_stream_wanted
 from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
-from trainables.split_update import split_update
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
 from trainables.ssl.masks import device_constants
 from trainables.ssl.regularizers import Regularizer
-from trainables.step_graph import StepGraph
-from trainables.stored_grad import register_lowering as register_store_lowering
-from trainables.wgrad_stream import backward_on_side, side_stream_wanted
 
 # The models compiled with Inductor's combo_kernels on a GPU unless train.combo_kernels says otherwise:
 # independent small kernels (each batch norm's running-statistics update, weight casts, ...) launched as
@@ -123,7 +123,7 @@ def inductor_options(mode: str, device: torch.device, combo: bool, wgrad_stream:
     """The options a model is compiled with (options of its own torch.compile call, so that Dynamo compiles it
     afresh rather than reusing code compiled under other options, as a global Inductor setting would):
     ``mode``'s; on a GPU, ``combo`` kernels or not, and programmatic ``dependent_launch`` or not; and, for a
-    student whose weight gradients run on a side stream (trainables.wgrad_stream), no reuse of a buffer, nor
+    student whose weight gradients run on a side stream (trainables.fast.wgrad_stream), no reuse of a buffer, nor
     writing into one in place, that the side stream may still be reading."""
     from torch._inductor import list_mode_options
 
@@ -250,7 +250,7 @@ class StepRunner:
         # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
         # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
         # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
-        # Weight gradients on a side stream (trainables.wgrad_stream): the student's compiled backward must then
+        # Weight gradients on a side stream (trainables.fast.wgrad_stream): the student's compiled backward must then
         # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
         # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
         # later in the process reuse code compiled before it, under the other setting)
@@ -413,7 +413,7 @@ class StepRunner:
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
         on one GPU the first compiles alone and the others then load the kernels it cached
-        (``trainables.compile_lock``). Not for data-parallel replicas: they meet in collectives during the
+        (``trainables.fast.compile_lock``). Not for data-parallel replicas: they meet in collectives during the
         step, and one waiting for the lock while the holder waits for it in an all-reduce would never finish."""
         t0 = time.monotonic()
         with first_compile_lock(self.compile_key(batch), self.compile_locked) as lock:

@@ -25,15 +25,15 @@ from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
-from trainables.fast_conv import apply_conv_kernels
-from trainables.gpu_turns import gpu_identity, gpu_turn
+from trainables.fast.fast_conv import apply_conv_kernels
+from trainables.fast.gpu_turns import gpu_identity, gpu_turn
+from trainables.fast.wgrad_stream import apply_wgrad_stream
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
 from trainables.validation import ConfigError, TrainingDiverged
-from trainables.wgrad_stream import apply_wgrad_stream
 
 CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: where and how fast it runs, not what it computes
@@ -134,7 +134,7 @@ def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: in
     gates, dropout), the data order/augmentation and the masks from (``stream``, epoch); ``stream`` is the
     run seed, or a per-replica seed in data-parallel training. ``log`` gets a progress line every 15 s.
     ``turn``: the GPU this process shares with other trials; the steps then run in its turn
-    (``trainables.gpu_turns``), all but a run's first step, which compiles and must not hold the GPU idle.
+    (``trainables.fast.gpu_turns``), all but a run's first step, which compiles and must not hold the GPU idle.
     """
     stream = cfg.seed if stream is None else stream
     torch.manual_seed(stream_seed(cfg.seed, epoch, "model"))

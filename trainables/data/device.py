@@ -155,7 +155,7 @@ class DeviceData:
             # which would otherwise compile again at the end of the first epoch.
             a0 = max(0, c1 - chunk)
             # One gather for all views, laid out (step, view, B, C, H, W): a step's views lie back to back, so a
-            # captured step copies them into its inputs at once (trainables.step_graph)
+            # captured step copies them into its inputs at once (trainables.fast.step_graph)
             idx = torch.stack([sup[a0:c1], unsup[a0:c1]] + ([unsup[a0:c1]] if augment_twice else []), dim=1)
             flat = (t.flatten() for t in (idx, *(p[:views, a0:c1].transpose(0, 1) for p in params)))
             x = self._augment(*flat).unflatten(0, (c1 - a0, views, b))

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainables.conv_bias_relu import conv_bias_relu
-from trainables.fast_conv import computes_on_rows
+from trainables.fast.conv_bias_relu import conv_bias_relu
+from trainables.fast.fast_conv import computes_on_rows
+from trainables.fast.stored_grad import stored_grad
 from trainables.models.layers import BnFedConv2d, SameConv2d, lecun_init_
 from trainables.models.registry import register_model
 from trainables.segmented_bn import bn_relu_pair_of, pairs_in_one_pass
-from trainables.stored_grad import stored_grad
 
 
 def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
@@ -80,7 +80,7 @@ class ShakeShakeBlock(nn.Module):
     store_input_grad = True     # training under torch.compile: the gradient at the block's input stored by Inductor
                                 # (``stored_grad``) instead of recomputed in its readers; read when traced
     paired_inner_bn_relu = True  # with one_first_conv: both branches' inner batch norm and ReLU as one function over
-                                 # the stacked output, whose backward is our own kernels (trainables.bn_relu_pair:
+                                 # the stacked output, whose backward is our own kernels (trainables.fast.bn_relu_pair:
                                  # ReLU's mask from the batch norm's input, no read of its output); read when traced
     COMPILE_KEY_SWITCHES = ("one_first_conv", "bias_free_bn_convs", "fold_eval_bn", "store_input_grad",
                             "paired_inner_bn_relu")

@@ -26,7 +26,7 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import prepare_data
-from trainables.fast_conv import apply_conv_kernels
+from trainables.fast.fast_conv import apply_conv_kernels
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import create_model
 from trainables.optim import make_optimizer

@@ -23,10 +23,10 @@ import ray
 from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
-from trainables import compile_ahead
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
+from trainables.fast import compile_ahead
 from trainables.search import intervals, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job

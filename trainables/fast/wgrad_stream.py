@@ -8,7 +8,7 @@ backward pass runs inside ``backward_on_side``, which joins the side stream when
 reads the gradients. The kernels are the same, so the gradients are too, bit for bit
 (``benchmarks/gpu_checks.py``).
 
-Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast_conv``) and, for every
+Two operators launch there: ``cowtune::conv3x3`` (our row kernels, ``trainables.fast.fast_conv``) and, for every
 other convolution without bias of a model switched by ``use_stream_convs``, ``cowtune::conv2d`` (cuDNN's
 kernels, as ``F.conv2d`` would run them). Nothing on the main stream may write, free or reuse what the side
 stream reads before the join, nor touch a gradient it writes:
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.compile_lock import tag_compile_caches
-from trainables.cuda_streams import shared_stream
+from trainables.fast.compile_lock import tag_compile_caches
+from trainables.fast.cuda_streams import shared_stream
 
 # From here on, the version of this module's operators and fast_conv's (which imports it) is part of every
 # compile-cache key: the caches cannot see what an operator's backward does.
@@ -202,7 +202,7 @@ def stream_eligible(m: nn.Module) -> bool:
     wgrad_stream_shakeshake``); against the unswitched model they end far apart in that check, the same whether
     the host waits for the GPU after each step or not, with deterministic cuDNN: not a race; why a probe found
     the two bit-identical to step 5 is not yet explained (docs/performance.md, the shake-shake change)."""
-    from trainables.fast_conv import TritonConv2d
+    from trainables.fast.fast_conv import TritonConv2d
 
     return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
             and type(m)._conv_forward is nn.Conv2d._conv_forward and m.groups == 1 and m.dilation == (1, 1)
@@ -236,7 +236,7 @@ def side_stream_wanted(on: bool, cuda_graph: str, compiled: bool, one_student_ca
     reuse, so autograd adds no gradients into them outside it) and called once a step (with several calls,
     autograd would sum each weight's gradients on the main stream before the join), and it has convolutions
     that launch there."""
-    from trainables.fast_conv import TritonConv2d
+    from trainables.fast.fast_conv import TritonConv2d
 
     return (on and cuda_graph == "step" and compiled and one_student_call
             and any(isinstance(m, (TritonConv2d, StreamConv2d)) for m in model.modules()))

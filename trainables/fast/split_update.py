@@ -1,6 +1,6 @@
 """A captured step's optimiser update and teacher EMA in two parts, around the join of the weight-gradient stream.
 
-With ``train.wgrad_stream`` the convolutions' weight gradients come from a side stream (``trainables.wgrad_stream``),
+With ``train.wgrad_stream`` the convolutions' weight gradients come from a side stream (``trainables.fast.wgrad_stream``),
 which the main stream joins when the backward pass ends; every other gradient (batch norm's scales and shifts,
 the classifier's) is complete on the main stream before that. So the update of those parameters and the EMA of
 the teacher's other tensors (batch-norm statistics included) run before the join, beside the side stream's last

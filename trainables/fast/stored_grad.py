@@ -54,7 +54,7 @@ def register_lowering() -> None:
     global _LOWERED
     if _LOWERED:
         return
-    from trainables.compile_lock import tag_compile_caches
+    from trainables.fast.compile_lock import tag_compile_caches
 
     tag_compile_caches(CACHE_TAG)
     from torch._inductor import ir, lowering

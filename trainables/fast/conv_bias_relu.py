@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainables.wgrad_stream import conv_format, empty_conv_output
+from trainables.fast.wgrad_stream import conv_format, empty_conv_output
 
 
 @torch.library.custom_op("cowtune::conv_bias_relu", mutates_args=())

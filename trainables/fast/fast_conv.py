@@ -1,4 +1,4 @@
-"""3x3 convolutions through our own Triton kernels (``trainables.conv_rows``) where they beat cuDNN.
+"""3x3 convolutions through our own Triton kernels (``trainables.fast.conv_rows``) where they beat cuDNN.
 
 cuDNN runs the narrow convolutions of a WRN-28-2 step (32-128 channels, NHWC, bf16) at 10-33% of
 their memory bound on an H100. ``use_triton_convs(model)`` switches every eligible layer (3x3,
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.wgrad_stream import format_of, on_side, switched_class
+from trainables.fast.wgrad_stream import format_of, on_side, switched_class
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
@@ -58,7 +58,7 @@ def _key(op: str, x_shape, c: int, k: int) -> tuple[str, int, int, int, int, int
 def _table_config(key: tuple[str, int, int, int, int, int]) -> dict[str, int] | None:
     """The row kernels' table configuration for ``key`` (``_key``), or None where cuDNN computes it: the table has
     no entry, or the kernel could not run on this GPU."""
-    from trainables import conv_rows
+    from trainables.fast import conv_rows
 
     return None if key in _FELL_BACK else conv_rows.tuned_config(*key)
 
@@ -83,7 +83,7 @@ def _rows(op: str, x_shape, c: int, k: int, run) -> Tensor | None:
 
 @conv3x3.register_kernel("cuda")
 def _conv3x3_cuda(x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
-    from trainables import conv_rows
+    from trainables.fast import conv_rows
 
     x = x.contiguous(memory_format=torch.channels_last)
     y = _rows("fprop", x.shape, x.shape[1], w.shape[0], lambda cfg: conv_rows.conv3x3_rows_fwd(x, w_lo, config=cfg))
@@ -111,7 +111,7 @@ def conv3x3_backward(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input_grad:
 
 def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
     """dw of ``conv3x3(x, w, w_lo)`` in w's dtype and layout: the row kernel's (float32) or cuDNN's."""
-    from trainables import conv_rows
+    from trainables.fast import conv_rows
 
     c, k = x.shape[1], w.shape[0]
     dw = _rows("wgrad", x.shape, c, k, lambda cfg: conv_rows.conv3x3_rows_wgrad(dy, x, config=cfg))
@@ -125,7 +125,7 @@ def _weight_grad(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor) -> Tensor:
 def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input_grad: bool) -> tuple[Tensor, Tensor]:
     dy = dy.contiguous(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
-    # on the side stream if it is on (trainables.wgrad_stream), forked before the input gradient
+    # on the side stream if it is on (trainables.fast.wgrad_stream), forked before the input gradient
     dw = on_side(lambda: _weight_grad(dy, x, w, w_lo), dy, x, w_lo)
     dx = _input_grad(dy, x, w_lo) if input_grad else x.new_empty(0)
     if dw is None:
@@ -135,7 +135,7 @@ def _conv3x3_backward_cuda(dy: Tensor, x: Tensor, w: Tensor, w_lo: Tensor, input
 
 def _input_grad(dy: Tensor, x: Tensor, w_lo: Tensor) -> Tensor:
     """dx of ``conv3x3`` (channels_last): the row kernel's, or cuDNN's where the row kernels do not compute it."""
-    from trainables import conv_rows
+    from trainables.fast import conv_rows
 
     dx = _rows("dgrad", x.shape, x.shape[1], w_lo.shape[0],
                lambda cfg: conv_rows.conv3x3_rows_dgrad(dy, w_lo, config=cfg))
@@ -223,7 +223,7 @@ def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, dev
     the graph at 28-31 steps/s against cuDNN's 48-51 on an H100); returns how many layers."""
     if conv_kernels != "triton" or cuda_graph != "step" or device.type != "cuda":
         return 0
-    from trainables.conv_rows import TUNED_CAPABILITY
+    from trainables.fast.conv_rows import TUNED_CAPABILITY
 
     if torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:   # the one gate: the table holds
         return 0                                                           # no configurations for it

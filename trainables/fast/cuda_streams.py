@@ -1,5 +1,5 @@
 """CUDA streams shared by the runners of a process, one per (device, role): the teacher's, the step graph's
-warm-up and capture streams, and the weight gradients' side stream (``trainables.wgrad_stream``).
+warm-up and capture streams, and the weight gradients' side stream (``trainables.fast.wgrad_stream``).
 
 A trial worker that Ray reuses builds a new ``StepRunner`` for each trial. PyTorch gives every CUDA stream
 that runs a cuBLAS call a cuBLAS and a cuBLASLt workspace of its own (tens of MiB on an H100), kept in a

@@ -49,7 +49,7 @@ KERNEL_CALLS = 0      # calls that ran the kernels (not the PyTorch formula): fo
 
 
 # Only builtins of triton.language here (tl.reduce with our own combine function, not tl.sum): the standard library's
-# @jit functions are compiled or interpreted as chosen when triton was first imported (see trainables.conv_rows).
+# @jit functions are compiled or interpreted as chosen when triton was first imported (see trainables.fast.conv_rows).
 @triton.jit
 def _add(a, b):
     return a + b

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from trainables.cuda_streams import shared_stream
 from trainables.data import Batch
-from trainables.split_update import UpdatePart, sgd_part_
+from trainables.fast.cuda_streams import shared_stream
+from trainables.fast.split_update import UpdatePart, sgd_part_
+from trainables.fast.wgrad_stream import backward_on_side
 from trainables.ssl.ema import ema_weight
-from trainables.wgrad_stream import backward_on_side
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
 HIGH_PRIORITY = -1  # of the capture stream (lower is higher; the side streams have 0, the default)
@@ -77,7 +77,8 @@ class StepGraph:
         parts = r.update_parts
         with backward_on_side(r.wgrad_stream, r.device):   # weight gradients on their own stream, joined at the end
             loss.backward()
-            if parts is not None:   # before the join, what the main stream's gradients update (trainables.split_update)
+            # before the join, what the main stream's gradients update (trainables.fast.split_update)
+            if parts is not None:
                 self._update(r, parts[0])
         if parts is None:
             r.optimizer.step()
