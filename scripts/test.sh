@@ -30,4 +30,4 @@ fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"
