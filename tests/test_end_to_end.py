@@ -1,16 +1,16 @@
 """A short CowMix run on real data beats supervised-only training on the same labels.
 
-scikit-learn's digits (1,797 real 8x8 scans, upsampled to 32x32) need no network: 30 labels
-(3 per class), 500 held out for validation, the rest unlabeled. Five seeds, the same labels for both
-methods within a seed; two CPU threads, so the numbers do not depend on the machine's core count.
+scikit-learn's digits (1,797 real 8x8 scans, upsampled to 32x32 and resized to 16x16 on the device, where a run
+takes a quarter of the time at 32x32): 30 labels (3 per class), 500 held out for validation, the rest unlabeled.
+Five seeds, the same labels for both methods within a seed; two CPU threads, so the numbers do not depend on the
+machine's core count. CowMask scales 2-8 px: the paper's 4-16 at 32x32, halved.
 
-The gain is real but noisy at this size: a run's final error moves by 4-10 points under a change
-of float rounding alone (one thread instead of two; stacking the student's calls), so single seeds
-say little. Measured per-seed gains (supervised minus CowMix teacher error), ten seed-runs over two
-rounding variants: 0.006, 0.052, 0.0, 0.064, 0.054 and 0.020, -0.026, -0.002, 0.080, 0.058 (mean
-0.031, SD 0.034). The test asks for a mean gain of 1 point over five seeds (about 1.4 standard errors
-below the measured mean) and no seed worse by more than 5 points (what a harmful unlabeled loss
-would show); three seeds and no seed worse by 1 point failed on the stacking change.
+A run's final error moves by a few points under a change of float rounding alone, so single seeds say little.
+Measured per-seed gains (supervised minus CowMix teacher error) at this size, 2026-11-29, 2 CPU cores: seeds 0-10
+with two threads 0.114, 0.062, 0.060, 0.166, 0.048, 0.104, 0.016, 0.034, 0.066, 0.100, 0.028 (mean 0.073, SD
+0.044); seeds 0-4 with one thread 0.122, 0.040, 0.066, 0.150, 0.056. The test asks for a mean gain of 3 points over
+seeds 0-4 (measured: 9.0 and 8.7) and no seed worse than supervised by more than 2 points (none was worse at all;
+the smallest gain was 1.6 points). At 32x32 the gain was 3.1 points on average (SD 3.4) and the test took 7 minutes.
 """
 import torch
 
@@ -23,14 +23,14 @@ from trainables.trainer import fit
 def config(method: str, seed: int) -> TrainConfig:
     d = {
         "seed": seed, "model": "cnn_tiny",
-        "data": {"dataset": "digits", "n_val": 500, "n_labeled": 30},
+        "data": {"dataset": "digits", "n_val": 500, "n_labeled": 30, "image_size": 16},
         "optim": {"lr_per_256": 0.3, "schedule": "cosine", "cosine_half_epochs": 20},
         "teacher": {"alpha": 0.97},
         "train": {"batch_size": 32, "epochs": 20, "steps_per_epoch": 40, "device": "cpu", "eval_batch_size": 500,
                   "threads": 2},
     }
     if method == "cowmix":
-        d["mix"] = {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5}
+        d["mix"] = {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5, "sigma_range": [2.0, 8.0]}
     return TrainConfig.from_dict(d)
 
 
@@ -46,5 +46,5 @@ def test_cowmix_beats_supervised_on_real_digits(tmp_path):
     mean = {m: sum(v) / len(v) for m, v in errors.items()}
     print(f"teacher validation error: {errors}")
     assert mean["supervised"] > 0.15, "the task is too easy to show anything"
-    assert mean["cowmix"] < mean["supervised"] - 0.01, errors
-    assert all(c <= s + 0.05 for c, s in zip(errors["cowmix"], errors["supervised"])), errors
+    assert mean["cowmix"] < mean["supervised"] - 0.03, errors
+    assert all(c <= s + 0.02 for c, s in zip(errors["cowmix"], errors["supervised"])), errors
