@@ -113,7 +113,8 @@ def _plan_paper_order(epochs: int) -> dict[str, list[str]]:
 
 
 PLANS = {"sanity": (_plan_sanity, 60), "paper_order": (_plan_paper_order, 300),
-         "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60), "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
+         "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60),
+         "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
          "wrn28_2_full": (_plan_wrn28_2_full, 300), "wrn28_2_precision": (_plan_wrn28_2_precision, 60),
          "wrn28_2_jpeg": (_plan_wrn28_2_jpeg, 60), "shakeshake": (_plan_shakeshake, 120)}
 

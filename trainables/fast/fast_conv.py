@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.fast.wgrad_stream import format_of, on_side, switched_class
+from trainables.fast.wgrad_stream import format_of, on_side, switch_convs
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
@@ -231,11 +231,5 @@ def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, dev
 
 
 def use_triton_convs(model: nn.Module) -> int:
-    """Switch ``model``'s eligible convolutions to ``TritonConv2d`` in place (parameters, buffers and
-    state-dict keys unchanged); returns how many were switched."""
-    count = 0
-    for m in model.modules():
-        if eligible(m):
-            m.__class__ = switched_class(TritonConv2d, type(m))
-            count += 1
-    return count
+    """Switch ``model``'s eligible convolutions to ``TritonConv2d``; returns how many were switched."""
+    return switch_convs(model, eligible, TritonConv2d)

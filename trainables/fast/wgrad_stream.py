@@ -209,15 +209,20 @@ def stream_eligible(m: nn.Module) -> bool:
             and m.padding_mode == "zeros" and not isinstance(m.padding, str))
 
 
-def use_stream_convs(model: nn.Module) -> int:
-    """Switch ``model``'s eligible convolutions to ``StreamConv2d`` in place (parameters, buffers and state-dict
-    keys unchanged); returns how many were switched."""
+def switch_convs(model: nn.Module, eligible: Callable[[nn.Module], bool], switch: type) -> int:
+    """Switch ``model``'s ``eligible`` convolutions to ``switch`` (``switched_class``) in place (parameters, buffers
+    and state-dict keys unchanged); returns how many were switched."""
     count = 0
     for m in model.modules():
-        if stream_eligible(m):
-            m.__class__ = switched_class(StreamConv2d, type(m))
+        if eligible(m):
+            m.__class__ = switched_class(switch, type(m))
             count += 1
     return count
+
+
+def use_stream_convs(model: nn.Module) -> int:
+    """Switch ``model``'s eligible convolutions to ``StreamConv2d``; returns how many were switched."""
+    return switch_convs(model, stream_eligible, StreamConv2d)
 
 
 def apply_wgrad_stream(model: nn.Module, on: bool, cuda_graph: str, device: torch.device) -> int:

@@ -205,5 +205,3 @@ def wrn26_2_shakeshake(num_classes: int) -> nn.Module:
 def wrn20_6_shakeshake(num_classes: int) -> nn.Module:
     return ShakeShakeWRN(3, 6, num_classes)
 
-
-# torchvision definitions, random init; zero-init of the last BN matches reference §6.4.

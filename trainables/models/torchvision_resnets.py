@@ -6,6 +6,7 @@ from torch import nn
 from trainables.models.registry import register_model
 
 
+# torchvision definitions, random init; zero-init of the last BN matches reference §6.4.
 def _torchvision_resnet(name: str, num_classes: int) -> nn.Module:
     import torchvision.models   # here, not at the top: torchvision imports torch._dynamo (2 s), which
     # a search driver or a `cowtune` command that builds no model never needs
