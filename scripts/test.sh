@@ -8,7 +8,11 @@ PY=${PYTHON:-python3}
 log=$(mktemp)
 # tests/test_cluster.py runs `ray up`/`ray submit` against its own sshd on 127.0.0.1 (reached through nc, as
 # it listens on a free port); the launcher also needs rsync.
-missing=$(for tool in /usr/sbin/sshd ssh rsync nc; do command -v "$tool" >/dev/null || echo "$tool"; done)
+# tests/test_team_stack.py starts its own PostgreSQL server (Debian's package) on 127.0.0.1; tests/test_compose.py
+# validates docker-compose.yml with Debian's docker-compose (Compose v1's `config`: no engine needed).
+missing=$(for tool in /usr/sbin/sshd ssh rsync nc; do command -v "$tool" >/dev/null || echo "$tool"; done
+          ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || echo postgresql
+          command -v docker-compose >/dev/null || echo docker-compose)
 if [ -n "$missing" ]; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     policy=/usr/sbin/policy-rc.d   # keep apt from starting a system sshd on 0.0.0.0:22 while installing it
@@ -19,12 +23,12 @@ if [ -n "$missing" ]; then
     wait_lock=(-o DPkg::Lock::Timeout=300)   # a fresh VM may be running unattended upgrades
     if ! { $sudo apt-get "${wait_lock[@]}" update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get \
             "${wait_lock[@]}" install -y -qq --no-install-recommends openssh-server openssh-client rsync \
-            netcat-openbsd; } >"$log" 2>&1; then
+            netcat-openbsd postgresql docker-compose; } >"$log" 2>&1; then
         cat "$log" >&2; [ -z "$made_policy" ] || $sudo rm -f "$policy"; exit 1
     fi
     [ -z "$made_policy" ] || $sudo rm -f "$policy"
     if [ -d /run/systemd/system ]; then   # nor at the next boot: the tests start their own sshd on 127.0.0.1
-        $sudo systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true
+        $sudo systemctl disable --now ssh.service ssh.socket postgresql.service >/dev/null 2>&1 || true
     fi
 fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then

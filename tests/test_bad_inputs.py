@@ -321,6 +321,12 @@ CASES = [
          ("--storage", "notes/ray lies under the file")),
     Case("search-tracking-server-unreachable", "search", unreachable_tracking(["--smoke-test", "--storage", "ray"]),
          ("(MLFLOW_TRACKING_URI) did not answer within 5 s", "Connection refused"), within_s=5.0),
+    Case("search-optuna-storage-unreachable", "search",
+         lambda t: search("--optuna-storage", f"postgresql+psycopg2://me:s3cret@127.0.0.1:{free_port()}/optuna")(t),
+         ("the Optuna storage postgresql+psycopg2://me:***@127.0.0.1:", "could not be opened", "Connection refused"),
+         within_s=10.0),
+    Case("search-optuna-storage-not-a-url", "search", search("--optuna-storage", "optuna.db"),
+         ("the Optuna storage optuna.db (COWTUNE_OPTUNA_STORAGE or --optuna-storage) could not be opened",)),
     Case("search-running-already", "search", search_running_already,
          ("wait for it to end, or pass --name NEW for another",)),
     # cowtune promote

@@ -16,6 +16,7 @@ e^-3 = 5%; before that a slow teacher would be judged on the weights it started 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -27,7 +28,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.fast import compile_ahead
-from trainables.search import intervals, tracking
+from trainables.search import intervals, studies, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
@@ -75,8 +76,11 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
         check_tracking_server()
+        url = studies.storage_url(args.optuna_storage)
+        study_db = studies.open_storage(url) if url else None
         lock_job(plan.name, plan.storage, "search")   # one driver at a time for a search
-        check_resumable(plan.name, plan.storage, plan.tags, plan.settings)   # a search of this name: the same one
+        check_resumable(plan.name, plan.storage, plan.tags, plan.settings, growable=study_db is not None)
+        round_ = studies.next_round(plan.name, plan.storage, plan.num_samples, study_db)
     except ConfigError as exc:
         print(f"{settings.name}: error: {exc}", file=sys.stderr)   # one clear line, exit status 2 as `cowtune`'s
         raise SystemExit(2) from None
@@ -90,38 +94,40 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
             print(f"{settings.name}: error: {warming.error}", file=sys.stderr)
             raise SystemExit(2)
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(plan.name, plan.storage, plan.tags,
-                                                                         plan.settings)
+                                                                         plan.settings, list(round_.paths))
     try:
-        return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring)
+        return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring, round_, study_db)
     except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
         tracking.finish_run(uri, parent_id, "FAILED")
         raise
 
 
 def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, uri: str, experiment_id: str,
-         exp_path: str, parent_id: str, restoring: bool) -> Any:
+         exp_path: str, parent_id: str, restoring: bool, round_: studies.Round, study_db: Any) -> Any:
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}
     trainable = tune.with_resources(train_trial, resources)
-    print(f"search {plan.name}: {plan.num_samples} trials x {plan.epochs} epochs, {resources} per trial, "
-          f"grace {plan.grace} epochs; MLflow {uri} (parent run {parent_id}); Ray results {exp_path}"
-          + (" [resuming]" if restoring else ""), flush=True)
+    print(f"search {plan.name}: {plan.num_samples} trials x {plan.epochs} epochs, {resources} per trial, grace "
+          f"{plan.grace} epochs; MLflow {uri} (parent run {parent_id}); Ray results {exp_path}"
+          + studies.describe(round_, study_db) + (" [resuming]" if restoring else ""), flush=True)
     if restoring:
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
         searcher = BudgetAwareOptunaSearch(space, plan.epochs, metric=settings.metric, mode=settings.mode,
-                                           points_to_evaluate=plan.points, sampler=optuna.samplers.TPESampler(seed=plan.seed))
+                                           points_to_evaluate=None if round_.index else plan.points,
+                                           sampler=optuna.samplers.TPESampler(seed=plan.seed + round_.index),
+                                           study_name=plan.name, storage=study_db)
         scheduler = tune.schedulers.ASHAScheduler(time_attr=M.EPOCH, metric=settings.metric, mode=settings.mode,
                                                   max_t=plan.epochs, grace_period=plan.grace,
                                                   reduction_factor=settings.reduction_factor,
                                                   stop_last_trials=False)
         tuner = tune.Tuner(
             trainable, param_space={**plan.base, META: meta},
-            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=plan.num_samples,
+            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=round_.num_samples,
                                         max_concurrent_trials=args.concurrency, reuse_actors=True,
                                         trial_dirname_creator=_trial_dirname),
-            run_config=tune.RunConfig(name=plan.name, storage_path=plan.storage, verbose=1,
+            run_config=tune.RunConfig(name=Path(exp_path).name, storage_path=plan.storage, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
                                       callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs)]))
@@ -132,7 +138,8 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
         best = None
     failed = sum(1 for r in results if r.error)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
-                        {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else ""})
+                        {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
+                         studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})
     if best is not None and best.metrics and best.metrics.get(settings.metric) is not None:
         print(f"best trial {best.metrics.get('trial_id')}: {settings.metric} = {best.metrics.get(settings.metric):.4f} "
               f"at epoch {best.metrics.get(M.EPOCH)}")

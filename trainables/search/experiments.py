@@ -71,35 +71,37 @@ def init_ray() -> None:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)   # never a stale `ray start`
 
 
-def open_experiment(name: str, storage: str, tags: dict[str, str],
-                    settings: dict[str, Any] | None = None) -> tuple[str, str, str, str, bool]:
+def open_experiment(name: str, storage: str, tags: dict[str, str], settings: dict[str, Any] | None = None,
+                    rounds: list[str] | None = None) -> tuple[str, str, str, str, bool]:
     """The MLflow experiment and parent run and the Ray experiment path of a search or final job: both
     re-opened when the Ray experiment can be restored. Returns (uri, experiment id, experiment path,
     parent run id, restoring).
 
     ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters,
-    which ``job_settings.check_resumable`` compares: callers run it first, before any process starts."""
+    which ``job_settings.check_resumable`` compares: callers run it first, before any process starts.
+    ``rounds``: a search's Ray experiments (``studies.Round``), this run's last; one parent run holds them all."""
     uri = tracking.resolve_tracking_uri()
     experiment_id = tracking.ensure_experiment(uri, name)
     exp_path = experiment_path(name, storage)
-    restoring = tune.Tuner.can_restore(exp_path)
-    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring else None
+    rounds = rounds or [exp_path]
+    restoring = tune.Tuner.can_restore(rounds[-1])
+    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring or len(rounds) > 1 else None
     init_ray()
     parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if parent is not None else None)
     if parent is None and settings:
         log_params(uri, parent_id, setting_params(settings))
     if parent is not None:
-        end_orphaned_runs(uri, experiment_id, parent_id, exp_path)
-    return uri, experiment_id, exp_path, parent_id, restoring
+        end_orphaned_runs(uri, experiment_id, parent_id, [p for p in rounds if tune.Tuner.can_restore(p)])
+    return uri, experiment_id, rounds[-1], parent_id, restoring
 
 
-def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_path: str) -> None:
+def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_paths: list[str]) -> None:
     """End as KILLED, tagged ``cowtune.orphaned``, the runs of trials that the restored Ray experiment does not
     know: the driver died after the trial started and before Ray's next snapshot of the experiment (Ray takes
     one every 10 s or more), so Ray runs that slot again under a new trial id. Kept for the record; not a
     trial any more."""
-    known = {t.trial_id for t in tune.ExperimentAnalysis(exp_path).trials}
+    known = {t.trial_id for path in exp_paths for t in tune.ExperimentAnalysis(path).trials}
     for r in tracking.child_runs(uri, experiment_id, parent_id):
         if r.data.tags.get(tracking.TRIAL_TAG) not in known:
             why = "the driver died before Ray saved this trial; Ray runs its slot again as another trial"

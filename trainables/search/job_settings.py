@@ -51,9 +51,11 @@ def experiment_path(name: str, storage: str) -> str:
     return f"{storage}/{name}" if "://" in storage else str(Path(storage).resolve() / name)
 
 
-def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dict[str, Any]) -> None:
+def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dict[str, Any],
+                    growable: bool = False) -> None:
     """What ``open_experiment`` checks before it restores a job, early (before Ray or any process starts, and
-    creating nothing): raises ConfigError if a job of this name exists with other settings."""
+    creating nothing): raises ConfigError if a job of this name exists with other settings (``growable``: a
+    search whose study is in a database may ask for more trials than it ran)."""
     from ray import tune   # here: promote, which checks the tracking server with this module, never starts Ray
 
     uri = tracking.resolve_tracking_uri()
@@ -63,7 +65,8 @@ def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dic
         return
     parent = tracking.find_parent(uri, experiment.experiment_id, exp_path)
     if parent is not None:
-        check_same_settings(exp_path, parent, setting_params(settings), tags)
+        grows = growable and int(settings.get(GROWS, 0)) > int(parent.data.params.get(GROWS, "0") or 0)
+        check_same_settings(exp_path, parent, setting_params(settings), tags, ignore=(GROWS,) if grows else ())
 
 
 MAX_PARAM = 500   # characters of a setting's value kept as an MLflow parameter (MLflow takes up to 6,000)
@@ -81,11 +84,15 @@ def setting_params(settings: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags: dict[str, str]) -> None:
+GROWS = "search.trials"   # the one setting a search with its study in a database may raise when run again
+
+
+def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags: dict[str, str],
+                        ignore: tuple[str, ...] = ()) -> None:
     """Raises ConfigError unless the job recorded under ``parent`` has these settings (``setting_params``)."""
     old = dict(parent.data.params)
     if old and params:
-        differ = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+        differ = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k) and k not in ignore)
         if not differ:
             return
         shown = ", ".join(f"{k} ({old.get(k, 'unset')} -> {params.get(k, 'unset')})" for k in differ[:6])

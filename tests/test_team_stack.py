@@ -1,0 +1,191 @@
+"""The team stack of docker-compose.yml, run for real as processes on loopback (no Docker engine here): PostgreSQL
+holding MLflow's store and the Optuna study, an MLflow server on it with proxied artifacts, a Ray head that runs
+no trials and a second Ray node that runs them, and optuna-dashboard on the same database. A search runs through
+it, is checked with the MLflow and Optuna clients and the dashboard's API, then grows with a larger --trials."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import BIN, free_port, run_search_script, start_ray_node, stop_group, wait_ray
+
+PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)
+pytestmark = pytest.mark.skipif(PG_BIN is None, reason="PostgreSQL's server is not installed (scripts/test.sh does)")
+NAME = "team-smoke"
+
+
+def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.5)
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: as root, run it as Debian's postgres user."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+
+def start_postgres(password: str) -> tuple[subprocess.Popen, int, Path]:
+    folder = Path(tempfile.mkdtemp(prefix="cowtune-pg-"))   # not under pytest's root-only temp folders
+    (folder / "pw").write_text(password)
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        for p in (folder, folder / "pw"):
+            os.chown(p, user.pw_uid, user.pw_gid)
+    subprocess.run(_as_postgres([f"{PG_BIN}/initdb", "-D", str(folder / "data"), "-U", "cowtune", "-A",
+                                 "scram-sha-256", f"--pwfile={folder / 'pw'}", "--no-locale", "-E", "UTF8"]),
+                   check=True, capture_output=True)
+    port, log = free_port(), folder / "postgres.log"
+    proc = subprocess.Popen(_as_postgres([f"{PG_BIN}/postgres", "-D", str(folder / "data"), "-h", "127.0.0.1",
+                                          "-p", str(port), "-k", str(folder), "-c", "fsync=off"]),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    ready = [f"{PG_BIN}/pg_isready", "-h", "127.0.0.1", "-p", str(port)]
+    _wait("PostgreSQL", lambda: subprocess.run(ready, capture_output=True).returncode == 0, proc, log)
+    return proc, port, folder
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, ray_token_env):
+    import optuna
+    import psycopg2
+
+    tmp = tmp_path_factory.mktemp("team")
+    password = os.urandom(12).hex()
+    procs = []
+    pg, pg_port, pg_folder = start_postgres(password)
+    procs.append(pg)
+    try:
+        conn = psycopg2.connect(host="127.0.0.1", port=pg_port, user="cowtune", password=password, dbname="postgres")
+        conn.autocommit = True
+        for db in ("mlflow", "optuna"):
+            conn.cursor().execute(f"CREATE DATABASE {db}")
+        conn.close()
+        db_url = f"postgresql+psycopg2://cowtune:{password}@127.0.0.1:{pg_port}"
+        port, log = free_port(), tmp / "mlflow.log"
+        procs.append(subprocess.Popen(
+            [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"{db_url}/mlflow", "--serve-artifacts", "--artifacts-destination",
+             str(tmp / "mlartifacts")], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+        mlflow_uri = f"http://127.0.0.1:{port}"
+        head_port, dash_port = free_port(), free_port()
+        ray_temp = Path(f"/tmp/cowtune-ray-{head_port}")
+        procs.append(start_ray_node(tmp, ray_token_env, num_cpus=0, extra=(
+            "--head", f"--port={head_port}", "--include-dashboard=false", f"--temp-dir={ray_temp}")))
+        procs.append(start_ray_node(tmp, ray_token_env, head_port=head_port, num_cpus=2))
+        # optuna-dashboard opens the storage without creating Optuna's tables: they are made first (the compose
+        # file's dashboard does the same before it starts)
+        optuna.storages.RDBStorage(f"{db_url}/optuna")
+        dash_log = tmp / "optuna-dashboard.log"
+        procs.append(subprocess.Popen([str(BIN / "optuna-dashboard"), "--host", "127.0.0.1", "--port", str(dash_port),
+                                       f"{db_url}/optuna"], stdout=open(dash_log, "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        _wait("mlflow server", lambda: _answers(f"{mlflow_uri}/health"), procs[1], log)
+        _wait("optuna-dashboard", lambda: _answers(f"http://127.0.0.1:{dash_port}/api/studies"), procs[4], dash_log)
+        wait_ray(f"127.0.0.1:{head_port}", 2, ray_token_env)
+        env = {**os.environ, **ray_token_env, "MLFLOW_TRACKING_URI": mlflow_uri, "RAY_ADDRESS": f"127.0.0.1:{head_port}",
+               "COWTUNE_OPTUNA_STORAGE": f"{db_url}/optuna", "PYTHONUNBUFFERED": "1",
+               "COWTUNE_CACHE": str(tmp / "cache")}
+        yield {"env": env, "tmp": tmp, "mlflow": mlflow_uri, "optuna": f"{db_url}/optuna",
+               "dashboard": f"http://127.0.0.1:{dash_port}", "storage": tmp / "ray_results"}
+    finally:
+        for proc in reversed(procs[1:]):
+            stop_group(proc, timeout=10)
+        os.killpg(pg.pid, signal.SIGINT)   # PostgreSQL's fast shutdown (SIGTERM waits for every client to leave)
+        pg.wait(30)
+        shutil.rmtree(pg_folder, ignore_errors=True)
+
+
+def _search(stack: dict, trials: int) -> subprocess.CompletedProcess:
+    return run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", str(trials), "--name", NAME,
+                                                   "--storage", str(stack["storage"]), "--no-compile-ahead"],
+                             stack["env"], stack["tmp"])
+
+
+def _records(stack: dict) -> tuple:
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(stack["mlflow"])
+    exp = client.get_experiment_by_name(NAME)
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    study = optuna.load_study(study_name=NAME, storage=stack["optuna"])
+    return client, parents, children, study
+
+
+@pytest.fixture(scope="module")
+def first(stack):
+    return _search(stack, 2)
+
+
+def test_a_search_on_the_stack_records_into_postgres_mlflow_and_the_optuna_study(stack, first):
+    assert "Optuna study postgresql+psycopg2://cowtune:***@127.0.0.1" in first.stdout   # never the password
+    assert "done: 2 trials (0 failed)" in first.stdout
+    client, parents, children, study = _records(stack)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 2
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    # Every trial is in the study, told with the error the trial's MLflow run ended on.
+    assert len(study.trials) == 2 and all(t.state.name in ("COMPLETE", "PRUNED") for t in study.trials)
+    finals = sorted(c.data.metrics["val/error_teacher"] for c in children)
+    told = sorted(t.value if t.value is not None else t.intermediate_values[max(t.intermediate_values)]
+                  for t in study.trials)
+    assert told == pytest.approx(finals)
+    # Artifacts go through the server's proxy (mlflow-artifacts:/), stored in its own folder.
+    artifacts = client.list_artifacts(children[0].info.run_id)
+    assert artifacts and children[0].info.artifact_uri.startswith("mlflow-artifacts:")
+    assert any((stack["tmp"] / "mlartifacts").rglob(artifacts[0].path.split("/")[-1]))
+
+
+def test_trials_ran_on_the_second_node_as_the_head_has_no_cpus(stack, first):
+    # As the compose file's head, this one schedules no trials (no CPUs, no GPUs): each trial needs a CPU, which only
+    # the second node has, so the two finished trials ran there.
+    code = ("import json, ray; ray.init(logging_level='ERROR'); "
+            "print(json.dumps(sorted(n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive'])))")
+    out = subprocess.run([sys.executable, "-c", code], env=stack["env"], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 2], out.stderr[-2000:]
+    assert len(list((stack["storage"] / NAME).glob("*/result.json"))) == 2
+
+
+def test_optuna_dashboard_serves_the_study_from_the_same_database(stack, first):
+    studies = json.load(urllib.request.urlopen(f"{stack['dashboard']}/api/studies", timeout=10))["study_summaries"]
+    mine = [s for s in studies if s["study_name"] == NAME]
+    assert len(mine) == 1
+    detail = json.load(urllib.request.urlopen(f"{stack['dashboard']}/api/studies/{mine[0]['study_id']}?after=0",
+                                              timeout=10))
+    assert len(detail["trials"]) == 2
+
+
+def test_the_same_search_with_more_trials_grows_the_study_under_the_same_parent_run(stack, first):
+    out = _search(stack, 3)
+    assert "round 2: 1 trials after its 2" in out.stdout and "done: 1 trials (0 failed)" in out.stdout
+    client, parents, children, study = _records(stack)
+    assert len(parents) == 1 and len(children) == 3 and len(study.trials) == 3
+    assert parents[0].data.tags["cowtune.rounds_done"] == "2" and parents[0].data.tags["cowtune.trials"] == "3"
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert (stack["storage"] / f"{NAME}-more1").is_dir()
+    # Run again as it is: nothing to add; it reports the finished round and starts no trial.
+    again = _search(stack, 3)
+    assert "[resuming]" in again.stdout
+    assert len(_records(stack)[2]) == 3

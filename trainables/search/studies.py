@@ -1,0 +1,125 @@
+"""A search's Optuna study in a database, so that it outlives the driver and a finished search can grow.
+
+``--optuna-storage`` or ``COWTUNE_OPTUNA_STORAGE`` names an SQLAlchemy URL: PostgreSQL on the team stack
+(``postgresql+psycopg2://USER:PASSWORD@HOST:5432/optuna``), or ``sqlite:///optuna.db`` on one machine. Unset, the
+study lives in the driver's memory (and in Ray's snapshots of the searcher): such a search resumes but cannot grow.
+
+Growing: the same command with a larger ``--trials`` after the search finished runs the missing trials as a further
+*round*: a Ray experiment ``NAME-more1`` (then ``-more2``...) beside ``NAME``, whose searcher loads the same study,
+so TPE proposes from every trial so far, and whose trials join the same MLflow parent run. ASHA compares the trials
+of one round with each other. A round that did not finish resumes, as a search does.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from mlflow.tracking import MlflowClient
+from ray import tune
+
+from trainables.search import tracking
+from trainables.search.job_settings import experiment_path
+from trainables.validation import ConfigError
+
+ENV = "COWTUNE_OPTUNA_STORAGE"
+ROUNDS_TAG = "cowtune.rounds_done"   # on the MLflow parent run: how many rounds (Ray experiments) ended
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int          # 0: the search's first Ray experiment
+    path: str           # its Ray experiment folder
+    num_samples: int    # trials it adds (a resumed round: its own count, unused)
+    study_trials: int   # trials the study held before it
+    paths: tuple[str, ...]   # the Ray experiment folders of every round up to this one
+
+
+def storage_url(arg: str | None) -> str | None:
+    return arg or os.environ.get(ENV) or None
+
+
+def shown(url: str) -> str:
+    """The URL with its password hidden, for messages."""
+    from sqlalchemy.engine import make_url
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:   # noqa: BLE001 - not a URL at all: say so with the text as given
+        return url
+
+
+def open_storage(url: str, timeout_s: int = 5) -> optuna.storages.RDBStorage:
+    """The study database, connected once now: a bad URL, a missing driver or a server that does not answer is one
+    ConfigError line before Ray starts."""
+    args = {"connect_args": {"connect_timeout": timeout_s}} if url.startswith("postgresql") else {}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=args)
+    except Exception as exc:   # noqa: BLE001 - SQLAlchemy's and the drivers' errors have no common base
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "" if "://" in url else " (give an SQLAlchemy URL, e.g. sqlite:///optuna.db)"
+        raise ConfigError(f"the Optuna storage {shown(url)} ({ENV} or --optuna-storage) could not be opened: "
+                          f"{reason}{hint}") from None
+
+
+def describe(round_: Round, storage: optuna.storages.RDBStorage | None) -> str:
+    """What the search's first line says of its study and round."""
+    if storage is None:
+        return ""
+    grows = f", round {round_.index + 1}: {round_.num_samples} trials after its {round_.study_trials}" if round_.index else ""
+    return f"; Optuna study {shown(storage.url)}{grows}"
+
+
+def study_trials(storage: optuna.storages.BaseStorage | None, name: str) -> int:
+    if storage is None:
+        return 0
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return 0
+    return len(storage.get_all_trials(study_id, deepcopy=False))
+
+
+def round_path(base: str, index: int) -> str:
+    return base if index == 0 else f"{base}-more{index}"
+
+
+def round_paths(base: str) -> list[str]:
+    """The Ray experiment folders of every round so far, first to last."""
+    paths, i = [], 0
+    while tune.Tuner.can_restore(round_path(base, i)):
+        paths.append(round_path(base, i))
+        i += 1
+    return paths
+
+
+def next_round(name: str, storage_dir: str, trials: int, storage: optuna.storages.BaseStorage | None) -> Round:
+    """Which Ray experiment this run of the search command drives: a new search, an unfinished round to resume, or
+    (with a study database, the last round ended, ``trials`` above the study's count) a new round of the rest."""
+    base = experiment_path(name, storage_dir)
+    paths = round_paths(base) if storage is not None else []
+    if not paths:
+        return Round(0, base, trials, study_trials(storage, name), (base,))
+    last = len(paths) - 1
+    have = study_trials(storage, name)
+    if rounds_done(name, base) <= last or have >= trials:
+        return Round(last, paths[last], trials, have, tuple(paths))   # resume it (a finished one reports again)
+    new = round_path(base, last + 1)
+    return Round(last + 1, new, trials - have, have, (*paths, new))
+
+
+def rounds_done(name: str, base: str) -> int:
+    uri = tracking.resolve_tracking_uri()
+    experiment = MlflowClient(uri).get_experiment_by_name(name)
+    parent = tracking.find_parent(uri, experiment.experiment_id, base) if experiment is not None else None
+    return int(parent.data.tags.get(ROUNDS_TAG, "0")) if parent is not None else 0
+
+
+def best_so_far(storage: optuna.storages.BaseStorage | None, name: str) -> Any | None:
+    """The study's best complete trial over every round, or None."""
+    if storage is None:
+        return None
+    try:
+        return optuna.load_study(study_name=name, storage=storage).best_trial
+    except (KeyError, ValueError):
+        return None
