@@ -9,10 +9,12 @@ log=$(mktemp)
 # tests/test_cluster.py runs `ray up`/`ray submit` against its own sshd on 127.0.0.1 (reached through nc, as
 # it listens on a free port); the launcher also needs rsync.
 # tests/test_team_stack.py starts its own PostgreSQL server (Debian's package) on 127.0.0.1; tests/test_compose.py
-# validates docker-compose.yml with Debian's docker-compose (Compose v1's `config`: no engine needed).
+# validates docker-compose.yml with Debian's docker-compose (Compose v1's `config`: no engine needed); the UI
+# screenshots (tests/ui_screens.py) drive Debian's Chromium with the playwright package (no browser download).
 missing=$(for tool in /usr/sbin/sshd ssh rsync nc; do command -v "$tool" >/dev/null || echo "$tool"; done
           ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || echo postgresql
-          command -v docker-compose >/dev/null || echo docker-compose)
+          command -v docker-compose >/dev/null || echo docker-compose
+          [ -x /usr/bin/chromium ] || echo chromium)
 if [ -n "$missing" ]; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     policy=/usr/sbin/policy-rc.d   # keep apt from starting a system sshd on 0.0.0.0:22 while installing it
@@ -23,7 +25,7 @@ if [ -n "$missing" ]; then
     wait_lock=(-o DPkg::Lock::Timeout=300)   # a fresh VM may be running unattended upgrades
     if ! { $sudo apt-get "${wait_lock[@]}" update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get \
             "${wait_lock[@]}" install -y -qq --no-install-recommends openssh-server openssh-client rsync \
-            netcat-openbsd postgresql docker-compose; } >"$log" 2>&1; then
+            netcat-openbsd postgresql docker-compose chromium fonts-liberation; } >"$log" 2>&1; then
         cat "$log" >&2; [ -z "$made_policy" ] || $sudo rm -f "$policy"; exit 1
     fi
     [ -z "$made_policy" ] || $sudo rm -f "$policy"

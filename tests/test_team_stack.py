@@ -1,7 +1,8 @@
 """The team stack of docker-compose.yml, run for real as processes on loopback (no Docker engine here): PostgreSQL
 holding MLflow's store and the Optuna study, an MLflow server on it with proxied artifacts, a Ray head that runs
 no trials and a second Ray node that runs them, and optuna-dashboard on the same database. A search runs through
-it, is checked with the MLflow and Optuna clients and the dashboard's API, then grows with a larger --trials."""
+it, is checked with the MLflow and Optuna clients and the dashboard's API, then grows with a larger --trials; both
+web UIs are then looked at in headless Chromium (tests/ui_screens.py), screenshots in artifacts/screenshots/."""
 from __future__ import annotations
 
 import glob
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN, free_port, run_search_script, start_ray_node, stop_group, wait_ray
+from ui_screens import (MLFLOW_UI_STATE, check_png, mlflow_pages, needs_browser, optuna_pages, page_shows,
+                        screenshots_dir)
 
 PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)
 pytestmark = pytest.mark.skipif(PG_BIN is None, reason="PostgreSQL's server is not installed (scripts/test.sh does)")
@@ -189,3 +192,38 @@ def test_the_same_search_with_more_trials_grows_the_study_under_the_same_parent_
     again = _search(stack, 3)
     assert "[resuming]" in again.stdout
     assert len(_records(stack)[2]) == 3
+
+
+@needs_browser()
+def test_the_mlflow_ui_and_optuna_dashboard_of_the_stack_show_the_search(stack, first):
+    # After the growth test: the parent run holds both rounds' trials. Screenshots: artifacts/screenshots/team-*.png
+    # (README, Team stack); each page must show the runs (names, chart legend, loaded images, plotted trials).
+    client, parents, children, study = _records(stack)
+    child = min(children, key=lambda c: c.info.start_time)
+    out = screenshots_dir()
+    shots = mlflow_pages(stack["mlflow"], parents[0].info.experiment_id, parents[0].info.run_id, child.info.run_id,
+                         out, prefix="team-")
+    shots += optuna_pages(stack["dashboard"], study._study_id, NAME, out, prefix="team-", min_points=len(study.trials))
+    assert [p.name for p in shots] == ["team-mlflow-parent-run.png", "team-mlflow-trial-metric.png",
+                                       "team-mlflow-trial-masks.png", "team-mlflow-trial-learning-curve.png",
+                                       "team-optuna-history.png"]
+    for path in shots:
+        check_png(path)
+
+
+@needs_browser()
+def test_a_page_that_does_not_show_the_runs_fails(stack, first, tmp_path):
+    client, parents, children, study = _records(stack)
+    exp_id, trial = parents[0].info.experiment_id, children[0].info.run_name
+    # MLflow's page of a run that is not there: the UI answers with its own error page, not the trial
+    with pytest.raises(AssertionError, match=rf"\['{trial}'\] did not show within 2 s"):
+        page_shows(f"{stack['mlflow']}/#/experiments/{exp_id}/runs/{'0' * 32}", [trial], tmp_path, "no-run",
+                   timeout=2, local_storage=MLFLOW_UI_STATE)
+    assert (tmp_path / "no-run-FAILED.png").stat().st_size > 0 and not (tmp_path / "no-run.png").exists()
+    # A study the dashboard does not have, a server that is not there, a blank page
+    with pytest.raises(AssertionError, match=rf"'{NAME} \(id={study._study_id + 1}\)'.* did not show"):
+        optuna_pages(stack["dashboard"], study._study_id + 1, NAME, tmp_path, timeout=2)
+    with pytest.raises(AssertionError, match="did not load"):
+        page_shows(f"http://127.0.0.1:{free_port()}/", ["anything"], tmp_path, "no-server", timeout=2)
+    with pytest.raises(AssertionError, match="did not show"):
+        page_shows("about:blank", [parents[0].info.run_name], tmp_path, "blank", timeout=1)

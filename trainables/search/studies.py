@@ -1,8 +1,9 @@
 """A search's Optuna study in a database, so that it outlives the driver and a finished search can grow.
 
 ``--optuna-storage`` or ``COWTUNE_OPTUNA_STORAGE`` names an SQLAlchemy URL: PostgreSQL on the team stack
-(``postgresql+psycopg2://USER:PASSWORD@HOST:5432/optuna``), or ``sqlite:///optuna.db`` on one machine. Unset, the
-study lives in the driver's memory (and in Ray's snapshots of the searcher): such a search resumes but cannot grow.
+(``postgresql+psycopg2://USER:PASSWORD@HOST:5432/optuna``), or any SQLite file. Unset, the study is kept in an SQLite
+file beside the search's Ray experiment (``STORAGE/NAME.optuna.db``), where the search's other records are; with
+Ray results in an object store (``--storage s3://...``) it lives in the driver's memory and the search cannot grow.
 
 Growing: the same command with a larger ``--trials`` after the search finished runs the missing trials as a further
 *round*: a Ray experiment ``NAME-more1`` (then ``-more2``...) beside ``NAME``, whose searcher loads the same study,
@@ -32,7 +33,7 @@ class Round:
     index: int          # 0: the search's first Ray experiment
     path: str           # its Ray experiment folder
     num_samples: int    # trials it adds (a resumed round: its own count, unused)
-    study_trials: int   # trials the study held before it
+    before: int         # trials of the rounds before it
     paths: tuple[str, ...]   # the Ray experiment folders of every round up to this one
 
 
@@ -62,22 +63,17 @@ def open_storage(url: str, timeout_s: int = 5) -> optuna.storages.RDBStorage:
                           f"{reason}{hint}") from None
 
 
+def default_storage(storage_dir: str, name: str) -> optuna.storages.RDBStorage | None:
+    """The study's SQLite file beside the search's Ray experiment, or None for Ray results in an object store."""
+    return None if "://" in storage_dir else open_storage(f"sqlite:///{experiment_path(name, storage_dir)}.optuna.db")
+
+
 def describe(round_: Round, storage: optuna.storages.RDBStorage | None) -> str:
     """What the search's first line says of its study and round."""
     if storage is None:
         return ""
-    grows = f", round {round_.index + 1}: {round_.num_samples} trials after its {round_.study_trials}" if round_.index else ""
+    grows = f", round {round_.index + 1}: {round_.num_samples} trials after its {round_.before}" if round_.index else ""
     return f"; Optuna study {shown(storage.url)}{grows}"
-
-
-def study_trials(storage: optuna.storages.BaseStorage | None, name: str) -> int:
-    if storage is None:
-        return 0
-    try:
-        study_id = storage.get_study_id_from_name(name)
-    except KeyError:
-        return 0
-    return len(storage.get_all_trials(study_id, deepcopy=False))
 
 
 def round_path(base: str, index: int) -> str:
@@ -99,9 +95,9 @@ def next_round(name: str, storage_dir: str, trials: int, storage: optuna.storage
     base = experiment_path(name, storage_dir)
     paths = round_paths(base) if storage is not None else []
     if not paths:
-        return Round(0, base, trials, study_trials(storage, name), (base,))
+        return Round(0, base, trials, 0, (base,))
     last = len(paths) - 1
-    have = study_trials(storage, name)
+    have = sum(len(tune.ExperimentAnalysis(p).trials) for p in paths)   # one Optuna trial each
     if rounds_done(name, base) <= last or have >= trials:
         return Round(last, paths[last], trials, have, tuple(paths))   # resume it (a finished one reports again)
     new = round_path(base, last + 1)

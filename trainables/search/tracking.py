@@ -2,9 +2,7 @@
 
 The only module that imports ``mlflow``. Everything goes through ``MlflowClient`` with explicit
 run ids (no fluent "active run"), so Ray worker processes never share hidden global state and an
-``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713).
-
-Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with
+``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713). Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with
 artifacts in ``<cwd>/mlartifacts``; open it with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
 """
 from __future__ import annotations
@@ -24,6 +22,7 @@ from trainables.validation import flatten
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
 ORPHAN_TAG = "cowtune.orphaned"       # a trial's run that the restored Ray experiment does not know
+KIND_TAG = "mlflow.experimentKind"    # the MLflow UI's view of an experiment
 RUN_ID_FILE = "mlflow_run_id.txt"      # kept in the trial checkpoint folder
 MAX_PARAM_CHARS = 6000
 
@@ -52,8 +51,8 @@ def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) ->
     if exp is not None:
         return exp.experiment_id
     location = (Path(workdir or os.getcwd()).resolve() / "mlartifacts" / name).as_uri() if is_embedded(uri) else None
-    try:
-        return client.create_experiment(name, artifact_location=location)
+    try:   # the UI opens it in its model-training view (MLflow 3 guesses "GenAI" for an experiment without a kind)
+        return client.create_experiment(name, artifact_location=location, tags={KIND_TAG: "custom_model_development"})
     except MlflowException:   # another driver created it in between
         return client.get_experiment_by_name(name).experiment_id
 

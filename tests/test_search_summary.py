@@ -1,0 +1,91 @@
+"""The search's MLflow parent run summary (trainables/search/summary.py) on a real Optuna study and a real MLflow
+store: the best trial's error and searched values as metrics and tags, a Description, and the study's plots."""
+from __future__ import annotations
+
+import random
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+from PIL import Image
+
+from trainables.search import intervals, summary
+
+SPACE = {"mix": {"sigma_range": intervals.Interval(1.0, 32.0, log=True, min_width=1.5),
+                 "weight": intervals.Float(1.0, 100.0, log=True)},
+         "teacher": {"alpha": intervals.Float(0.9, 0.999)}}
+
+
+def _study(n: int, pruned: int = 0) -> optuna.Study:
+    """A study over SPACE's parameters with ``n`` complete trials (error grows with the trial number) and ``pruned``
+    pruned ones."""
+    dists = {k: optuna.distributions.FloatDistribution(s[1], s[2], log=s[3])
+             for k, s in intervals.space_params(SPACE).items()}
+    study = optuna.create_study(direction="minimize")
+    rng = random.Random(0)
+    for i in range(n + pruned):
+        params = {k: (d.low * (d.high / d.low) ** rng.random()) if d.log else rng.uniform(d.low, d.high)
+                  for k, d in dists.items()}
+        if i < n:
+            study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=0.2 + 0.1 * i,
+                                                      intermediate_values={1: 0.5, 2: 0.2 + 0.1 * i}))
+        else:
+            study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, intermediate_values={1: 0.9},
+                                                      state=optuna.trial.TrialState.PRUNED))
+    return study
+
+
+def test_the_parent_run_carries_the_best_trial_a_description_and_the_study_plots(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp, run_name="s").info.run_id
+    study = _study(4, pruned=2)
+    summary.record(uri, parent, study, SPACE, "s", epochs=30, grace=8, target=6, metric="val/error_teacher",
+                   round_index=0)
+    run = client.get_run(parent)
+    best = summary.searched_values(SPACE, study.trials[0].params)
+    assert run.data.metrics["val/error_teacher"] == pytest.approx(0.2)
+    assert run.data.metrics["best.mix.sigma_range.lo"] == pytest.approx(best["mix.sigma_range"][0])
+    assert run.data.metrics["best.mix.sigma_range.hi"] == pytest.approx(best["mix.sigma_range"][1])
+    assert run.data.metrics["best.teacher.alpha"] == pytest.approx(best["teacher.alpha"])
+    assert run.data.metrics["search.trials_pruned"] == 2 and run.data.metrics["search.trials_complete"] == 4
+    assert run.data.tags["best.optuna_trial"] == "0"
+    note = run.data.tags["mlflow.note.content"]
+    assert "4 trained the whole budget, 2 stopped early by ASHA, 0 failed" in note
+    assert "`mix.sigma_range`" in note and "cowtune promote --search s" in note
+    files = {a.path for a in client.list_artifacts(parent, summary.PLOT_DIR)}
+    assert files == {f"optuna/{f}" for f in ("history.png", "importances.png", "parallel_coordinates.png",
+                                              "ranges.png")}
+    local = client.download_artifacts(parent, "optuna/ranges.png", str(tmp_path))
+    assert Image.open(local).size[0] >= 500
+
+
+def test_a_grown_search_logs_its_new_best_as_the_next_step(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("g", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    study = _study(2)
+    summary.record(uri, parent, study, SPACE, "g", 30, 8, 2, "val/error_teacher", 0)
+    better = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(params=better.params, distributions=better.distributions, value=0.05))
+    summary.record(uri, parent, study, SPACE, "g", 30, 8, 3, "val/error_teacher", 1)
+    history = client.get_metric_history(parent, "val/error_teacher")
+    assert [(m.step, round(m.value, 4)) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.2), (1, 0.05)]
+    assert "in 2 rounds" in client.get_run(parent).data.tags["mlflow.note.content"]
+
+
+def test_too_few_trials_still_give_the_plots_that_can_be_drawn(tmp_path):
+    drawn = {p.name for p in summary.plots(_study(1), SPACE, tmp_path)}
+    assert "history.png" in drawn and "ranges.png" in drawn   # importances need two complete trials
+    assert not (tmp_path / "importances.png").exists() or "importances.png" in drawn
+
+
+def test_a_study_with_no_finished_trial_records_counts_and_no_best(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    summary.record(uri, parent, optuna.create_study(), SPACE, "e", 30, 8, 2, "val/error_teacher", 0)
+    run = client.get_run(parent)
+    assert run.data.metrics["search.trials_complete"] == 0 and "val/error_teacher" not in run.data.metrics
+    assert "**Best**" not in run.data.tags["mlflow.note.content"]
