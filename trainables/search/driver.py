@@ -28,7 +28,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.fast import compile_ahead
-from trainables.search import intervals, studies, tracking
+from trainables.search import intervals, progress, studies, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
@@ -127,10 +127,11 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
             tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=round_.num_samples,
                                         max_concurrent_trials=args.concurrency, reuse_actors=True,
                                         trial_dirname_creator=_trial_dirname),
-            run_config=tune.RunConfig(name=Path(exp_path).name, storage_path=plan.storage, verbose=1,
+            run_config=tune.RunConfig(name=Path(exp_path).name, storage_path=plan.storage, verbose=progress.verbose(args),
                                       failure_config=tune.FailureConfig(max_failures=settings.max_failures),
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
-                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs)]))
+                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs),
+                                                 *progress.callbacks(args, settings, plan, space)]))
     results = tuner.fit()
     try:
         best = results.get_best_result(metric=settings.metric, mode=settings.mode, scope="last")

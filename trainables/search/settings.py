@@ -87,6 +87,9 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
                         "(trainables/fast/compile_ahead.py); each trial then compiles its own")
     p.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on this machine (they exist only on the workers)")
+    p.add_argument("--ray-output", nargs="?", type=int, const=1, choices=(1, 2), metavar="LEVEL",
+                   help="Ray Tune's own console output (its trial status tables, each trial's config and result, the "
+                        "trials' per-epoch lines) instead of the compact progress table; LEVEL 2: every result")
     return p.parse_args(argv)
 
 
