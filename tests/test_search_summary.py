@@ -3,6 +3,7 @@ store: the best trial's error and searched values as metrics and tags, a Descrip
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -14,6 +15,11 @@ from trainables.search import intervals, summary
 SPACE = {"mix": {"sigma_range": intervals.Interval(1.0, 32.0, log=True, min_width=1.5),
                  "weight": intervals.Float(1.0, 100.0, log=True)},
          "teacher": {"alpha": intervals.Float(0.9, 0.999)}}
+
+
+def plan(name: str, trials: int) -> SimpleNamespace:
+    """What summary.record reads of a search's plan (trainables.search.settings.Plan)."""
+    return SimpleNamespace(name=name, epochs=30, grace=8, num_samples=trials)
 
 
 def _study(n: int, pruned: int = 0) -> optuna.Study:
@@ -41,8 +47,7 @@ def test_the_parent_run_carries_the_best_trial_a_description_and_the_study_plots
     exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, run_name="s").info.run_id
     study = _study(4, pruned=2)
-    summary.record(uri, parent, study, SPACE, "s", epochs=30, grace=8, target=6, metric="val/error_teacher",
-                   round_index=0)
+    summary.record(uri, parent, study, SPACE, plan("s", 6), metric="val/error_teacher", round_index=0)
     run = client.get_run(parent)
     best = summary.searched_values(SPACE, study.trials[0].params)
     assert run.data.metrics["val/error_teacher"] == pytest.approx(0.2)
@@ -66,10 +71,10 @@ def test_a_grown_search_logs_its_new_best_as_the_next_step(tmp_path):
     client = MlflowClient(uri)
     parent = client.create_run(client.create_experiment("g", artifact_location=(tmp_path / "a").as_uri())).info.run_id
     study = _study(2)
-    summary.record(uri, parent, study, SPACE, "g", 30, 8, 2, "val/error_teacher", 0)
+    summary.record(uri, parent, study, SPACE, plan("g", 2), "val/error_teacher", 0)
     better = study.trials[0]
     study.add_trial(optuna.trial.create_trial(params=better.params, distributions=better.distributions, value=0.05))
-    summary.record(uri, parent, study, SPACE, "g", 30, 8, 3, "val/error_teacher", 1)
+    summary.record(uri, parent, study, SPACE, plan("g", 3), "val/error_teacher", 1)
     history = client.get_metric_history(parent, "val/error_teacher")
     assert [(m.step, round(m.value, 4)) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.2), (1, 0.05)]
     assert "in 2 rounds" in client.get_run(parent).data.tags["mlflow.note.content"]
@@ -85,7 +90,7 @@ def test_a_study_with_no_finished_trial_records_counts_and_no_best(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     parent = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())).info.run_id
-    summary.record(uri, parent, optuna.create_study(), SPACE, "e", 30, 8, 2, "val/error_teacher", 0)
+    summary.record(uri, parent, optuna.create_study(), SPACE, plan("e", 2), "val/error_teacher", 0)
     run = client.get_run(parent)
     assert run.data.metrics["search.trials_complete"] == 0 and "val/error_teacher" not in run.data.metrics
     assert "**Best**" not in run.data.tags["mlflow.note.content"]

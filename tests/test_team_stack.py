@@ -188,6 +188,13 @@ def test_the_same_search_with_more_trials_grows_the_study_under_the_same_parent_
     assert parents[0].data.tags["cowtune.rounds_done"] == "2" and parents[0].data.tags["cowtune.trials"] == "3"
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
     assert (stack["storage"] / f"{NAME}-more1").is_dir()
+    # The parent run says how the search went (trainables/search/summary.py), updated by the second round
+    best = parents[0].data
+    assert best.metrics["search.trials_complete"] + best.metrics["search.trials_pruned"] == 3
+    assert best.metrics["val/error_teacher"] == pytest.approx(study.best_value)
+    assert best.tags["best.optuna_trial"] == str(study.best_trial.number) and "in 2 rounds" in best.tags["mlflow.note.content"]
+    assert {a.path for a in client.list_artifacts(parents[0].info.run_id, "optuna")} >= {"optuna/history.png",
+                                                                                        "optuna/ranges.png"}
     # Run again as it is: nothing to add; it reports the finished round and starts no trial.
     again = _search(stack, 3)
     assert "[resuming]" in again.stdout
@@ -202,7 +209,7 @@ def test_the_mlflow_ui_and_optuna_dashboard_of_the_stack_show_the_search(stack, 
     child = min(children, key=lambda c: c.info.start_time)
     out = screenshots_dir()
     shots = mlflow_pages(stack["mlflow"], parents[0].info.experiment_id, parents[0].info.run_id, child.info.run_id,
-                         out, prefix="team-")
+                         out, prefix="team-", parent_texts=("stopped early by ASHA", "best.teacher.alpha"))
     shots += optuna_pages(stack["dashboard"], study._study_id, NAME, out, prefix="team-", min_points=len(study.trials))
     assert [p.name for p in shots] == ["team-mlflow-parent-run.png", "team-mlflow-trial-metric.png",
                                        "team-mlflow-trial-masks.png", "team-mlflow-trial-learning-curve.png",

@@ -229,12 +229,13 @@ def newest_children(uri: str, experiment_id: str, parent_run_id: str, n: int = 3
 
 def mlflow_pages(uri: str, experiment_id: str, parent_run_id: str, child_run_id: str, out_dir: Path,
                  prefix: str = "", metric: str = METRIC, artifacts: tuple[str, ...] = (MASKS_FILE, CURVE_FILE),
-                 timeout: float = 30) -> list[Path]:
+                 timeout: float = 30, parent_texts: tuple[str, ...] = ()) -> list[Path]:
     """Screenshots of the MLflow UI at uri (the tracking server, e.g. http://127.0.0.1:5000) of a search: the parent
     run's page (its name, id and its newest child runs shown), the trial's model-metrics tab filtered to
     `metric` (its chart with the legend "<trial run> (<metric>)" and a drawn line), and each of the trial's
     `artifacts` in its artifacts tab (the image loaded). Returns the PNG paths, in that order:
     <prefix>mlflow-parent-run.png, <prefix>mlflow-trial-metric.png, <prefix>mlflow-trial-<artifact stem>.png...
+    ``parent_texts``: more text the parent run's page must show (its description, a metric).
     Raises AssertionError naming what did not show."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -247,7 +248,7 @@ def mlflow_pages(uri: str, experiment_id: str, parent_run_id: str, child_run_id:
     with browser_page(base, MLFLOW_UI_STATE) as page:
         name = f"{prefix}mlflow-parent-run"
         goto(page, f"{run_url}/{parent_run_id}", out_dir, name)
-        wait_for_texts(page, [parent, parent_run_id, "Child runs", *children], out_dir, name, timeout,
+        wait_for_texts(page, [parent, parent_run_id, "Child runs", *children, *parent_texts], out_dir, name, timeout,
                        f"the parent run {parent!r} with its newest child runs {children}")
         shots.append(shoot(page, out_dir, name))
 

@@ -1,12 +1,11 @@
 """``run_search(BASE, SPACE, SEARCH)``: Optuna proposes, ASHA stops, Ray Tune runs, MLflow records.
 
-Everything that can be wrong with a search (space, base config, test-split use, resources) is
-checked on the driver before Ray starts (``prepare_search``). Running the same command again
-after the driver died restores the experiment (``Tuner.restore``) and its MLflow parent run.
+Everything that can be wrong with a search is checked before Ray starts (``prepare_search``). The same command again
+restores a search whose driver died (``Tuner.restore``, the same MLflow parent run), or with a larger --trials grows
+a finished one (``studies``); a round's end puts the best trial, a description and plots on the parent (``summary``).
 
-Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED, with its per-epoch
-teacher errors as intermediate values, never as COMPLETE. TPE then ranks it below every trial
-that got further, instead of treating a truncated curve as a full-budget result.
+Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED, with its per-epoch teacher errors as
+intermediate values, never as COMPLETE: TPE ranks it below every trial that got further.
 
 Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max)
 * steps_per_epoch) is the EMA teacher's time constant in epochs for the largest alpha the space
@@ -28,7 +27,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.fast import compile_ahead
-from trainables.search import intervals, progress, studies, tracking
+from trainables.search import intervals, progress, studies, summary, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
@@ -76,9 +75,9 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
         check_tracking_server()
-        url = studies.storage_url(args.optuna_storage)
-        study_db = studies.open_storage(url) if url else None
+        study_db = studies.open_storage(url) if (url := studies.storage_url(args.optuna_storage)) else None
         lock_job(plan.name, plan.storage, "search")   # one driver at a time for a search
+        study_db = study_db or studies.default_storage(plan.storage, plan.name)
         check_resumable(plan.name, plan.storage, plan.tags, plan.settings, growable=study_db is not None)
         round_ = studies.next_round(plan.name, plan.storage, plan.num_samples, study_db)
     except ConfigError as exc:
@@ -138,6 +137,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     except RuntimeError:   # no trial reported the metric (every one failed): said below, not as a traceback
         best = None
     failed = sum(1 for r in results if r.error)
+    summary.record(uri, parent_id, studies.load(study_db, plan.name), space, plan, settings.metric, round_.index)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})

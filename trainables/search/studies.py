@@ -111,11 +111,11 @@ def rounds_done(name: str, base: str) -> int:
     return int(parent.data.tags.get(ROUNDS_TAG, "0")) if parent is not None else 0
 
 
-def best_so_far(storage: optuna.storages.BaseStorage | None, name: str) -> Any | None:
-    """The study's best complete trial over every round, or None."""
+def load(storage: optuna.storages.BaseStorage | None, name: str) -> optuna.Study | None:
+    """The search's study as its database holds it after a round, or None (no database, or no study yet)."""
     if storage is None:
         return None
     try:
-        return optuna.load_study(study_name=name, storage=storage).best_trial
-    except (KeyError, ValueError):
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
         return None

@@ -69,11 +69,15 @@ def counts_of(study: optuna.Study) -> dict[str, int]:
     return {"complete": states.count(S.COMPLETE), "pruned": states.count(S.PRUNED), "failed": states.count(S.FAIL)}
 
 
-def record(uri: str, parent_id: str, study: optuna.Study, space: dict[str, Any], name: str, epochs: int, grace: int,
-           target: int, metric: str, round_index: int) -> None:
-    """Write the summary onto the parent run; a failure here only warns (the trials' own records are complete)."""
+def record(uri: str, parent_id: str, study: optuna.Study | None, space: dict[str, Any], plan: Any, metric: str,
+           round_index: int) -> None:
+    """Write the summary of ``study`` (None: nothing to write) onto the parent run of ``plan`` (its name, epochs,
+    grace and num_samples); a failure here only warns (the trials' own records are complete)."""
+    if study is None:
+        return
     try:
-        _record(uri, parent_id, study, space, name, epochs, grace, target, metric, round_index)
+        _record(uri, parent_id, study, space, plan.name, plan.epochs, plan.grace, plan.num_samples, metric,
+                round_index)
     except Exception as exc:   # noqa: BLE001 - a summary must never fail a finished search
         warnings.warn(f"search summary on MLflow run {parent_id} not written: {type(exc).__name__}: {exc}", stacklevel=1)
 
