@@ -94,3 +94,9 @@ def test_a_study_with_no_finished_trial_records_counts_and_no_best(tmp_path):
     run = client.get_run(parent)
     assert run.data.metrics["search.trials_complete"] == 0 and "val/error_teacher" not in run.data.metrics
     assert "**Best**" not in run.data.tags["mlflow.note.content"]
+
+
+def test_the_search_points_at_its_experiment_in_the_model_training_view():
+    assert summary.ui_link("http://127.0.0.1:5000/", "3") == \
+        "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+    assert summary.ui_link("sqlite:////tmp/x/mlflow.db", "1") == "`mlflow ui --backend-store-uri sqlite:///mlflow.db`"

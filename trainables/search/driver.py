@@ -145,6 +145,6 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
         print(f"best trial {best.metrics.get('trial_id')}: {settings.metric} = {best.metrics.get(settings.metric):.4f} "
               f"at epoch {best.metrics.get(M.EPOCH)}")
     print(f"done: {len(results)} trials ({failed} failed). Compare them with "
-          + ("`mlflow ui --backend-store-uri sqlite:///mlflow.db`" if tracking.is_embedded(uri) else f"the MLflow UI at {uri}")
+          + summary.ui_link(uri, experiment_id)
           + f"; promote the best with `cowtune promote --search {plan.name}`", flush=True)
     return results

@@ -21,10 +21,18 @@ import optuna
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
-from trainables.search import intervals
+from trainables.search import intervals, tracking
 from trainables.validation import flatten
 
 PLOT_DIR = "optuna"
+
+
+def ui_link(uri: str, experiment_id: str) -> str:
+    """Where to look at a search: the MLflow UI's page of its experiment in the model-training view (MLflow 3's UI
+    starts in its GenAI view otherwise), or how to open the UI of an embedded store."""
+    if tracking.is_embedded(uri):
+        return "`mlflow ui --backend-store-uri sqlite:///mlflow.db`"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
 def searched_values(space: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
