@@ -77,8 +77,9 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
     p.add_argument("--name", help=f"search name (default {settings.name}[-preset])")
     p.add_argument("--storage", help="Ray results folder or URI (default $COWTUNE_STORAGE or ./ray_results)")
     p.add_argument("--optuna-storage", metavar="URL",
-                   help="database of the Optuna study, an SQLAlchemy URL (default $COWTUNE_OPTUNA_STORAGE; unset: in "
-                        "memory). With one, the same command with a larger --trials grows a finished search")
+                   help="database of the Optuna study, an SQLAlchemy URL (default $COWTUNE_OPTUNA_STORAGE, else the "
+                        "SQLite file STORAGE/NAME.optuna.db); the same command with a larger --trials grows a finished "
+                        "search")
     p.add_argument("--concurrency", type=int, default=None, help="max trials at once (default: as resources allow)")
     p.add_argument("--cpus-per-trial", type=int, default=1)
     p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")

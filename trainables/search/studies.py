@@ -31,10 +31,9 @@ ROUNDS_TAG = "cowtune.rounds_done"   # on the MLflow parent run: how many rounds
 @dataclass(frozen=True)
 class Round:
     index: int          # 0: the search's first Ray experiment
-    path: str           # its Ray experiment folder
-    num_samples: int    # trials it adds (a resumed round: its own count, unused)
+    num_samples: int    # trials it adds (a resumed round: unused, Tune restores its own)
     before: int         # trials of the rounds before it
-    paths: tuple[str, ...]   # the Ray experiment folders of every round up to this one
+    paths: tuple[str, ...]   # the Ray experiment folders of every round up to this one, this one's last
 
 
 def storage_url(arg: str | None) -> str | None:
@@ -91,17 +90,17 @@ def round_paths(base: str) -> list[str]:
 
 def next_round(name: str, storage_dir: str, trials: int, storage: optuna.storages.BaseStorage | None) -> Round:
     """Which Ray experiment this run of the search command drives: a new search, an unfinished round to resume, or
-    (with a study database, the last round ended, ``trials`` above the study's count) a new round of the rest."""
+    (with a study database, the last round ended, ``trials`` above the trials its rounds ran) a new round of the
+    rest."""
     base = experiment_path(name, storage_dir)
     paths = round_paths(base) if storage is not None else []
     if not paths:
-        return Round(0, base, trials, 0, (base,))
+        return Round(0, trials, 0, (base,))
     last = len(paths) - 1
     have = sum(len(tune.ExperimentAnalysis(p).trials) for p in paths)   # one Optuna trial each
     if rounds_done(name, base) <= last or have >= trials:
-        return Round(last, paths[last], trials, have, tuple(paths))   # resume it (a finished one reports again)
-    new = round_path(base, last + 1)
-    return Round(last + 1, new, trials - have, have, (*paths, new))
+        return Round(last, trials, have, tuple(paths))   # resume it (a finished one reports again)
+    return Round(last + 1, trials - have, have, (*paths, round_path(base, last + 1)))
 
 
 def rounds_done(name: str, base: str) -> int:

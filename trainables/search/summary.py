@@ -13,6 +13,7 @@ the search, and the Optuna study's plots.
 from __future__ import annotations
 
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,6 @@ def record(uri: str, parent_id: str, study: optuna.Study | None, space: dict[str
 
 def _record(uri: str, parent_id: str, study: optuna.Study, space: dict[str, Any], name: str, epochs: int, grace: int,
             target: int, metric: str, round_index: int) -> None:
-    import time
-
     client = MlflowClient(uri)
     counts = counts_of(study)
     best = study.best_trial if counts["complete"] else None
