@@ -125,7 +125,25 @@ def _plan_paper_order(epochs: int) -> dict[str, list[str]]:
             "mt_s0": ["config=cifar10_cowout", *base, MEAN_TEACHER]}
 
 
-PLANS = {"sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0), "paper_order": (_plan_paper_order, 300),
+CUTMIX = "mix={name: cutmix, weight: 30.0, conf_thresh: 0.6, conf_avg: true, conf_mode: mix_conf}"   # cifar10_cowmix
+RANDERASE = "perturb={name: randerase, noise_std: 1.0, weight: 1.0, conf_thresh: 0.97, conf_avg: false}"  # cowout
+
+
+def _plan_box_methods(epochs: int) -> dict[str, list[str]]:
+    """The paper's box baselines beside their CowMask counterparts (CutMix beside CowMix, RandErase beside CowOut),
+    each on its preset with only the mask changed, as in the paper's Table 1."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST, "seed=0"]
+    return {"cutmix_s0": [*base, CUTMIX], "randerase_s0": ["config=cifar10_cowout", *base, RANDERASE]}
+
+
+def _plan_labels_4000(epochs: int) -> dict[str, list[str]]:
+    """CowMix with 4,000 labels at the paper's length (paper, 27M model: 3.61%), beside supervised at 1,000 labels
+    at the same length (the bottom of the paper's order)."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST, "seed=0"]
+    return {"cowmix_4000_s0": [*base, "data.n_labeled=4000"], "sup_1000_s0": [*base, *SUPERVISED]}
+
+
+PLANS = {"box_methods": (_plan_box_methods, 300), "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0), "paper_order": (_plan_paper_order, 300),
          "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60),
          "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
          "wrn28_2_full": (_plan_wrn28_2_full, 300), "wrn28_2_precision": (_plan_wrn28_2_precision, 60),
