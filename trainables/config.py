@@ -244,3 +244,13 @@ def _path_from_dict(key: str, path_cls: type, d: Any) -> Any:
     reg = regularizer_from_dict(reg_part, prefix=key, extra_allowed=sorted(path_fields))
     path = build_dataclass(path_cls, path_part, prefix=f"{key}.", skip=("regularizer",), extra={"regularizer": reg})
     return path
+
+
+def check_batch_split(cfg: TrainConfig, world: int) -> None:
+    """One line before any compute if ``world`` data-parallel workers cannot split ``cfg``'s batch: each takes
+    ``train.batch_size / world`` images of every step (``trainables.data_parallel``), and ghost batch norm's groups
+    must fit in that slice."""
+    b = cfg.train.batch_size
+    check(b % world == 0, "train.batch_size", f"be divisible by the {world} data-parallel workers that split it", b)
+    check(cfg.train.bn_batch is None or (b // world) % cfg.train.bn_batch == 0, "train.bn_batch",
+          f"divide each of the {world} workers' {b // world} images of train.batch_size {b}", cfg.train.bn_batch)

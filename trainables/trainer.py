@@ -127,12 +127,13 @@ def best_epoch(history: list[dict[str, float]], key: str) -> dict[str, float]:
 
 def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: int, steps_per_epoch: int,
                 base_lr: float, stream: int | None = None, log: Callable[[str], None] | None = None,
-                turn: str | None = None) -> dict[str, float]:
+                turn: str | None = None, shard: tuple[int, int] = (0, 1)) -> dict[str, float]:
     """Run one epoch of steps; return its training metrics (means), learning rate, epoch and step.
 
     The epoch's random streams are re-derived first: the global torch RNG from (seed, epoch) (shake-shake
-    gates, dropout), the data order/augmentation and the masks from (``stream``, epoch); ``stream`` is the
-    run seed, or a per-replica seed in data-parallel training. ``log`` gets a progress line every 15 s.
+    gates, dropout), the data order and augmentation from (seed, epoch), the masks from (``stream``, epoch).
+    Data-parallel training passes ``shard = (rank, world)``: the worker's slice of each of ``train.batch_size``
+    images (``TrainData.train_batches``), and its own ``stream`` for the masks. ``log`` gets a progress line every 15 s.
     ``turn``: the GPU this process shares with other trials; the steps then run in its turn
     (``trainables.fast.gpu_turns``), all but a run's first step, which compiles and must not hold the GPU idle.
     """
@@ -145,7 +146,8 @@ def train_epoch(cfg: TrainConfig, runner: StepRunner, data: TrainData, epoch: in
     waited: dict[str, float] = {}
     t0 = t_print = time.monotonic()
     with contextlib.ExitStack() as turns:
-        for i, batch in enumerate(data.train_batches(epoch, stream, cfg.train.batch_size, steps_per_epoch, augment_twice)):
+        batches = data.train_batches(epoch, cfg.seed, cfg.train.batch_size, steps_per_epoch, augment_twice, shard)
+        for i, batch in enumerate(batches):
             if turn is not None and i == int(first):
                 waited = turns.enter_context(gpu_turn(turn))
             runner.step(batch, gen, *step_schedule(cfg, epoch * steps_per_epoch + i, steps_per_epoch, base_lr))

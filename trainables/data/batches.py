@@ -48,7 +48,7 @@ class TrainData(Protocol):
 
     def default_steps_per_epoch(self, batch_size: int) -> int: ...
     def train_batches(self, epoch: int, seed: int, batch_size: int, steps: int,
-                      augment_twice: bool) -> Iterator[Batch]: ...
+                      augment_twice: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]: ...
     def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]: ...
     def describe(self) -> str: ...
 
@@ -114,9 +114,15 @@ def _describe_sizes(sizes: dict[str, int]) -> str:
             f"unlabeled {sizes['unlabeled']}), test {sizes['test']}")
 
 
-def _check_batching(batch_size: int, steps: int) -> None:
+def _check_batching(batch_size: int, steps: int, shard: tuple[int, int] = (0, 1)) -> int:
+    """The images of each batch this shard gets: ``batch_size`` split evenly over ``shard = (rank, world)``."""
     check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
     check(steps >= 1, "steps", "be >= 1", steps)
+    rank, world = shard
+    check(world >= 1 and batch_size % world == 0, "train.batch_size",
+          f"be divisible by the {world} data-parallel workers that split it", batch_size)
+    check(0 <= rank < world, "shard", f"be a rank in 0..{world - 1}", rank)
+    return batch_size // world
 
 
 def _check_eval_split(split: str, sizes: dict[str, int]) -> None:

@@ -130,16 +130,21 @@ class DeviceData:
         return max(1, self.sizes["unlabeled"] // batch_size)
 
     def train_batches(self, epoch: int, seed: int, batch_size: int, steps: int,
-                      augment_twice: bool) -> Iterator[Batch]:
-        """``steps`` batches of ``batch_size`` labeled and unlabeled images for this (epoch, seed)."""
-        _check_batching(batch_size, steps)
+                      augment_twice: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
+        """``steps`` batches of ``batch_size`` labeled and unlabeled images for this (epoch, seed).
+
+        ``shard = (rank, world)``: data-parallel worker ``rank`` of ``world`` gets its slice of each batch, the
+        images and augmentation one process would draw (so ``world`` workers see one process's batches, split)."""
+        b = _check_batching(batch_size, steps, shard)
         n, dev = steps * batch_size, self.device
         sup = epoch_order(self._index["labeled"], n, _generator(seed, epoch, "labeled", dev))
         unsup = epoch_order(self._index["unlabeled"], n, _generator(seed, epoch, "unlabeled", dev))
         views = 3 if augment_twice else 2
         params = crop_flip_params((views, steps, batch_size), self.pad, self.flip,
                                   _generator(seed, epoch, "augment", dev))        # 3 x (views, steps, B)
-        sup, unsup = sup.view(steps, batch_size), unsup.view(steps, batch_size)
+        cols = slice(shard[0] * b, (shard[0] + 1) * b)
+        sup, unsup = sup.view(steps, batch_size)[:, cols], unsup.view(steps, batch_size)[:, cols]
+        params = tuple(p[..., cols] for p in params)
         return self._iterate(sup, self.labels[sup], unsup, params, augment_twice)
 
     def _iterate(self, sup: Tensor, y: Tensor, unsup: Tensor, params: tuple[Tensor, Tensor, Tensor],

@@ -194,9 +194,10 @@ class LoaderData:
         return self._loaders[role]
 
     def train_batches(self, epoch: int, seed: int, batch_size: int, steps: int,
-                      augment_twice: bool) -> Iterator[Batch]:
+                      augment_twice: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
         """As ``DeviceData.train_batches``; the order is drawn on the host (the workers need it there)."""
-        _check_batching(batch_size, steps)
+        b = _check_batching(batch_size, steps, shard)
+        first = shard[0] * b
         n, cpu = steps * batch_size, torch.device("cpu")
         order = lambda pool, stream: epoch_order(torch.from_numpy(pool), n,
                                                  _generator(seed, epoch, stream, cpu)).numpy()
@@ -206,7 +207,7 @@ class LoaderData:
         def batches() -> Iterator[list]:
             for s in range(steps):
                 yield [(int(sup[j]), int(unsup[j]), (base + j * _GOLDEN) % (1 << 63), augment_twice)
-                       for j in range(s * batch_size, (s + 1) * batch_size)]
+                       for j in range(s * batch_size + first, s * batch_size + first + b)]
         loader, sampler = self._loader("train")
         sampler.make, sampler.count = batches, steps
         return self._iterate_train(loader, augment_twice)

@@ -74,7 +74,8 @@ def add_search_commands(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--out", help="folder for final_table.md and final_results.json (default final/<name>)")
     f.add_argument("--cpus-per-trial", type=int, default=1)
     f.add_argument("--concurrency", type=int, default=None)
-    f.add_argument("--ddp-workers", type=int, help="ImageNet: data-parallel workers (GPUs) per run (default: all GPUs, CPU: 2)")
+    f.add_argument("--ddp-workers", type=int, help="data-parallel workers (GPUs) per run, splitting each batch of train.batch_size "
+                   "(default: 1; ImageNet: every GPU, CPU: 2)")
     f.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on the driver (they exist only on the workers)")
     f.set_defaults(func=_cmd_final)

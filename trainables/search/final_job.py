@@ -10,14 +10,14 @@ import ray
 import yaml
 from ray import tune
 
-from trainables.config import TrainConfig
+from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
 from trainables.search import tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, save_table
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, check
 
 
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
@@ -30,6 +30,10 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
         raise ConfigError(f"--config {config_path} is not valid YAML: {yaml_problem(exc)}") from None
     method = TrainConfig.from_dict(promoted).method
     runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides, check_data)   # fails before Ray
+    if ddp_workers:   # the batch split too (ImageNet's default, every GPU, once Ray has counted them)
+        check(ddp_workers >= 1, "--ddp-workers", "be >= 1", ddp_workers)
+        for r in runs:
+            check_batch_split(TrainConfig.from_dict(r["config"]), ddp_workers)
     storage = storage if "://" in storage else str(Path(storage).resolve())
     settings = final_settings(promoted, datasets, labels, seeds, supervised, overrides)
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -39,9 +43,9 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     check_resumable(name, storage, tags, settings)   # the same name again: the same job, or refused before Ray
     uri, experiment_id, exp_path, parent_id, restoring = open_experiment(name, storage, tags, settings)
     gpus = ray.cluster_resources().get("GPU", 0)
-    workers = ddp_workers or max(2, int(gpus))      # ImageNet: data-parallel over this many GPUs (CPU: 2 workers)
-    for r in runs:
-        r["ddp_workers"] = workers if r["dataset"] == "imagenet" else 1
+    for r in runs:   # ImageNet: data-parallel over every GPU (CPU: 2 workers) unless told; small images: 1 unless told
+        r["ddp_workers"] = ddp_workers or (max(2, int(gpus)) if r["dataset"] == "imagenet" else 1)
+        check_batch_split(TrainConfig.from_dict(r["config"]), r["ddp_workers"])
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "final",
             "git_sha": tracking.git_sha(), "cpus": cpus_per_trial, "gpu": 0, "use_gpu": gpus > 0, "storage": storage}
 
