@@ -61,3 +61,51 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
         assert c.info.status == "FINISHED"
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "val/error_teacher")]
         assert sorted(steps) == [1, 2, 3], (c.info.run_name, steps)       # nothing lost, nothing logged twice
+
+
+def test_a_killed_trial_worker_is_retried_from_its_checkpoint_to_the_undisturbed_result(search_env, mlflow_server,
+                                                                                         tmp_path):
+    """The trial's Ray worker process is SIGKILLed mid-run: Ray retries the trial from its last checkpoint on a new
+    worker, the trial ends with the metrics of an undisturbed run of the same search (exact resume), and its
+    MLflow run holds each epoch's metrics exactly once."""
+    common = ["--smoke-test", "--trials", "1", "--epochs", "5", "--set", "train.steps_per_epoch=40",
+              "--no-compile-ahead"]
+    client = MlflowClient(mlflow_server)
+    killed_pid = None
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), *common,
+                                 "--name", "wkill", "--storage", str(tmp_path / "ray")],
+                                env=search_env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and killed_pid is None:
+            exp = client.get_experiment_by_name("wkill")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            child = next((r for r in runs if "mlflow.parentRunId" in r.data.tags), None)
+            if child and "worker.pid" in child.data.tags and \
+                    len(client.get_metric_history(child.info.run_id, "epoch")) >= 2:
+                killed_pid = int(child.data.tags["worker.pid"])
+                os.kill(killed_pid, signal.SIGKILL)          # mid-epoch 3: its checkpoint is epoch 2's
+            time.sleep(0.2)
+        try:
+            assert killed_pid is not None, "no epoch 2 before the search ended: " + (tmp_path / "killed.log").read_text()[-2000:]
+            assert proc.wait(300) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+        finally:
+            proc.kill()
+    out = (tmp_path / "killed.log").read_text()
+    assert "done: 1 trials (0 failed)" in out and "Ray runs it again" in out    # the progress table said so
+    run_search_script("cifar10_cowmix.py", [*common, "--name", "wref", "--storage", str(tmp_path / "ray")],
+                      search_env, tmp_path)
+
+    def trial(name: str):
+        exp = client.get_experiment_by_name(name)
+        (child,) = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
+        return child, client.get_metric_history(child.info.run_id, "val/error_teacher")
+
+    killed, killed_history = trial("wkill")
+    reference, reference_history = trial("wref")
+    assert killed.info.status == "FINISHED"
+    assert int(killed.data.tags["worker.pid"]) != killed_pid                        # a new worker finished it
+    assert sorted(m.step for m in killed_history) == [1, 2, 3, 4, 5]              # each epoch exactly once
+    assert sorted((m.step, m.value) for m in killed_history) == sorted((m.step, m.value) for m in reference_history)
+    for key in ("val/error_teacher", "val/error_student", "val/loss_teacher", "train/loss_sup", "train/loss_mix"):
+        assert killed.data.metrics[key] == reference.data.metrics[key], key      # the last epoch's, bit for bit
