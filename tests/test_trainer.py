@@ -1,6 +1,7 @@
 """The trainer on real (small) data: every method steps, gradients go where they should, resume is exact."""
 import json
 import math
+import re
 import time
 
 import pytest
@@ -238,3 +239,36 @@ def test_a_loss_that_becomes_nan_stops_the_run_with_its_reason(digits, tmp_path)
                                                r"run stopped: lower optim.lr_per_256 \(1e\+12\)"):
         fit(TrainConfig.from_dict(d), tmp_path, data=digits, log=lambda s: None)
     assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "result.json").exists()
+
+
+CAPPED = """import resource, sys
+import trainables.trainer
+from trainables.cli import main
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + 1500 * 2**20, resource.RLIM_INFINITY))   # the kernel refuses the rest
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_running_out_of_memory_stops_the_run_in_one_line_naming_what_to_lower(tmp_path):
+    """A real allocation failure: the process's address space capped by the kernel (RLIMIT_AS) 1.5 GB above what
+    it has mapped, and a batch whose activations need more. `cowtune train` exits 1 with one line naming the
+    device, the epoch and the batch size, not a traceback from inside the step; no checkpoint claims the epoch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["model=cnn_tiny", "data.dataset=digits", "data.n_val=200", "data.n_labeled=50", "data.eval_split=val",
+            "train.batch_size=16384", "train.bn_batch=null", "train.steps_per_epoch=2", "train.epochs=1",
+            "train.threads=1", "train.device=cpu"]
+    out = subprocess.run([sys.executable, "-c", CAPPED, "train", "cifar10_cowmix", "--out", str(tmp_path / "run"),
+                          *[a for s in sets for a in ("--set", s)]],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert re.fullmatch(r"cowtune: error: out of memory on cpu in epoch 1 \(training: DefaultCPUAllocator: can't "
+                        r"allocate memory: you tried to allocate \d+ bytes\. Error code 12 \(Cannot allocate memory\)\); "
+                        r"the run stopped: lower train\.batch_size \(16384\), or choose a smaller model than cnn_tiny",
+                        line), line
+    assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "result.json").exists()

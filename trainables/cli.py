@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from trainables.validation import CheckpointWriteError, ConfigError, TrainingDiverged, writable_file, writable_folder
+from trainables.validation import (CheckpointWriteError, ConfigError, RunOutOfMemory, TrainingDiverged, writable_file,
+                                   writable_folder)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"cowtune: error: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointWriteError, TrainingDiverged) as exc:   # the last checkpoint is kept
+    except (CheckpointWriteError, TrainingDiverged, RunOutOfMemory) as exc:   # the last checkpoint is kept
         print(f"cowtune: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
-from trainables.validation import ConfigError, TrainingDiverged
+from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
 CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: where and how fast it runs, not what it computes
@@ -114,6 +115,30 @@ def check_finite(metrics: dict[str, float], epoch: int, cfg: TrainConfig) -> Non
             f"the training loss became {', '.join(f'{v} ({k})' for k, v in bad.items())} in epoch {epoch}; the run "
             f"stopped{f' with its last checkpoint (epoch {epoch - 1}) kept' if epoch > 1 else ''}: lower optim.lr_per_256 "
             f"({cfg.optim.lr_per_256:g}) or the loss weights, or add optim.warmup_epochs")
+
+
+CPU_ALLOCATOR_FAILURE = "can't allocate memory"   # PyTorch's CPU allocator, when the system refuses an allocation
+
+
+@contextlib.contextmanager
+def out_of_memory_stops(cfg: TrainConfig, device: torch.device, epoch: int, what: str):
+    """Turns a device's out-of-memory error in ``what`` (training or evaluation) into RunOutOfMemory: one message
+    naming the device, the epoch and the settings that size the memory, in place of a traceback from the middle
+    of a step (PyTorch's CUDA out-of-memory error, or its CPU allocator's failure)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and CPU_ALLOCATOR_FAILURE not in str(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = re.sub(r"^\[enforce fail at [^\]]*\] (err == 0\. )?", "", first)   # the CPU allocator's prefix
+        size = (f"train.eval_batch_size ({cfg.train.eval_batch_size})" if what == "evaluation"
+                else f"train.batch_size ({cfg.train.batch_size})")
+        raise RunOutOfMemory(
+            f"out of memory on {device} in epoch {epoch} ({what}: {first[:200]}); the run stopped"
+            f"{f' with its last checkpoint (epoch {epoch - 1}) kept' if epoch > 1 else ''}: lower {size}, or choose a "
+            f"smaller model than {cfg.model}" + ("; trials packed on one GPU share its memory (the search's "
+                                                 "GPUs per trial)" if device.type == "cuda" else "")) from None
 
 
 def best_epoch(history: list[dict[str, float]], key: str) -> dict[str, float]:
@@ -253,11 +278,13 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.monotonic()
-        metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log, turn=turn)
+        with out_of_memory_stops(cfg, device, epoch + 1, "training"):
+            metrics = train_epoch(cfg, runner, data, epoch, steps_per_epoch, base_lr, log=log, turn=turn)
         check_finite(metrics, epoch + 1, cfg)   # before the checkpoint: the last one stays the last good one
         train_time = time.monotonic() - t0
         for name, model in (("teacher", teacher), ("student", student)):
-            err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
+            with out_of_memory_stops(cfg, device, epoch + 1, "evaluation"):
+                err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
             metrics[M.eval_key(split, "error", name)] = err
             metrics[M.eval_key(split, "loss", name)] = loss
         t_saved = time.monotonic()

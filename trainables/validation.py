@@ -27,6 +27,10 @@ class TrainingDiverged(RuntimeError):
     """A training loss became NaN or infinite; the run stopped, its last checkpoint kept."""
 
 
+class RunOutOfMemory(RuntimeError):
+    """The device ran out of memory in a step or an evaluation; the run stopped, its last checkpoint kept."""
+
+
 def check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name} must {rule}, got {value!r}")

@@ -22,6 +22,16 @@ from trainables.search.job_settings import check_tracking_server
 from trainables.validation import ConfigError, writable_file
 
 
+def register_model(uri: str, run_id: str, name: str, alias: str, artifact_path: str) -> str:
+    """Register ``runs:/<run_id>/<artifact_path>`` as a new version of ``name`` and point ``alias`` at it."""
+    client = MlflowClient(uri)
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        client.create_registered_model(name)
+    version = client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id)
+    client.set_registered_model_alias(name, alias, version.version)
+    return version.version
+
+
 def latest_parent(client: MlflowClient, search: str) -> tuple[str, Any]:
     exp = client.get_experiment_by_name(search)
     if exp is None:
@@ -59,7 +69,7 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
         config = yaml.safe_load(Path(cfg_path).read_text())
     TrainConfig.from_dict(config)   # still valid with this code version
     name = model_name or search
-    version = tracking.register_model(uri, best.info.run_id, name, alias, "checkpoint")
+    version = register_model(uri, best.info.run_id, name, alias, "checkpoint")
     info = {"search": search, "parent_run_id": parent.info.run_id, "run_id": best.info.run_id,
             "trial_id": best.data.tags.get(tracking.TRIAL_TAG, ""), metric: best.data.metrics[metric],
             "model": f"models:/{name}@{alias}", "version": version, "trials_full_budget": len(full),

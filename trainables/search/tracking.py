@@ -1,6 +1,6 @@
 """MLflow glue: one parent run per search, one child run per trial, re-attached after a restore.
 
-The only module that imports ``mlflow``. Everything goes through ``MlflowClient`` with explicit
+Everything goes through ``MlflowClient`` with explicit
 run ids (no fluent "active run"), so Ray worker processes never share hidden global state and an
 ``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713). Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with
 artifacts in ``<cwd>/mlartifacts``; open it with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
@@ -24,6 +24,7 @@ TRIAL_TAG = "ray.trial_id"
 ORPHAN_TAG = "cowtune.orphaned"       # a trial's run that the restored Ray experiment does not know
 KIND_TAG = "mlflow.experimentKind"    # the MLflow UI's view of an experiment
 RUN_ID_FILE = "mlflow_run_id.txt"      # kept in the trial checkpoint folder
+FAILURE_TAG = "cowtune.failure"       # why a trial failed for good: a retry stops at once with it
 MAX_PARAM_CHARS = 6000
 
 
@@ -100,11 +101,18 @@ class TrialRun:
                 self.client.log_batch(run_id, params=params[i:i + 100])
             self.created = True
         else:
+            self.earlier_failure = self.client.get_run(run_id).data.tags.get(FAILURE_TAG)
             self.client.update_run(run_id, status="RUNNING")
             self.created = False
         id_file.write_text(run_id)
         self.run_id = run_id
         self.logged = {int(m.step) for m in self.client.get_metric_history(run_id, "epoch")}
+
+    earlier_failure: str | None = None   # a re-attached run's FAILURE_TAG: why an earlier attempt failed for good
+
+    def record_failure(self, exc: Exception) -> None:
+        """Why the trial failed for good (its loss diverged, its device ran out of memory), on its run."""
+        self.set_tags({FAILURE_TAG: f"{type(exc).__name__}: {exc}"})
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -125,16 +133,6 @@ class TrialRun:
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status)
-
-
-def register_model(uri: str, run_id: str, name: str, alias: str, artifact_path: str) -> str:
-    """Register ``runs:/<run_id>/<artifact_path>`` as a new version of ``name`` and point ``alias`` at it."""
-    client = MlflowClient(uri)
-    if not client.search_registered_models(filter_string=f"name = '{name}'"):
-        client.create_registered_model(name)
-    version = client.create_model_version(name, f"runs:/{run_id}/{artifact_path}", run_id=run_id)
-    client.set_registered_model_alias(name, alias, version.version)
-    return version.version
 
 
 def find_parent(uri: str, experiment_id: str, experiment_path: str) -> Any | None:

@@ -1,10 +1,9 @@
 """The Ray Tune function trainable: one trial = one ``trainer.fit`` run, reported every epoch.
 
-``config`` is a full ``TrainConfig`` dict plus a ``"_cowtune"`` entry set by the driver (tracking
-URI, experiment and parent run ids, mode, resources). Per epoch the trainable logs the metrics to
-the trial's MLflow child run (step = epoch, skipping epochs already there), then calls
-``ray.tune.report(metrics, checkpoint=...)`` with the trial folder (``checkpoint.pt``, the MLflow run id); a retry
-or restore copies the latest back into a fresh folder and ``fit`` resumes from it, in the trial's own MLflow run.
+``config`` is a full ``TrainConfig`` dict plus a ``"_cowtune"`` entry set by the driver (tracking URI, experiment and
+parent run ids, mode, resources). Per epoch the trainable logs the metrics to the trial's MLflow child run (step =
+epoch, skipping epochs already there), then calls ``ray.tune.report(metrics, checkpoint=...)`` with the trial folder
+(``checkpoint.pt``, the MLflow run id); a retry or restore resumes from the latest, in the trial's own MLflow run.
 """
 from __future__ import annotations
 
@@ -29,13 +28,12 @@ from trainables.gallery import config_gallery
 from trainables.search import tracking
 from trainables.step import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
-from trainables.validation import ConfigError, TrainingDiverged
+from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
 LIVE_CURVE_S = 30.0   # seconds between a trial's own learning-curve drawings
 
-# GPU share per trial by model, sized so N packed trials fit one 80 GB card with room to spare. wrn28_2 from
-# `benchmarks/throughput.py --packing 1,2,4,8` (H100, trials taking turns: 2, 4 and 8 packed deliver 135 steps/s,
-# one alone 127): four, so that new trials' start-up and every evaluation overlap the others' training.
+# GPU share per trial by model, so that packed trials fit one 80 GB card. wrn28_2: four (H100, trials taking turns: 2, 4, 8
+# packed deliver 135 steps/s, one alone 127), so that start-ups and evaluations overlap the others' training.
 GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
                 "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
 META, TRAIN_CONFIG = "_cowtune", "_final"   # driver settings; final runs: {"config": ..., "dataset", "labels", ...}
@@ -118,6 +116,8 @@ def train_trial(config: dict[str, Any]) -> None:
                                             "method": cfg.method, "model": cfg.model, "seed": str(cfg.seed),
                                             "mlflow.source.git.commit": meta.get("git_sha", "unknown"),
                                             **{f"split.{k}": v for k, v in data.split_hashes.items()}})
+    if run.earlier_failure:   # Ray's retry of a trial that diverged or ran out of memory would do so again
+        raise RuntimeError(f"not retried, {run.earlier_failure}")
     run.set_tags({"worker.pid": os.getpid(), "worker.data_cache_hit": DATA_LOADS == loads_before,
                   "worker.node_id": ray.get_runtime_context().get_node_id()})
     if run.created:
@@ -143,8 +143,8 @@ def train_trial(config: dict[str, Any]) -> None:
     try:   # Ray keeps the trial's earlier checkpoints: no .prev copy
         fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
             shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)
-    except TrainingDiverged as exc:   # the reason on the MLflow run; Tune marks the trial ERROR with it
-        run.set_tags({"cowtune.failure": str(exc)})
+    except (TrainingDiverged, RunOutOfMemory) as exc:   # the reason on the MLflow run; Tune marks the trial ERROR
+        run.record_failure(exc)
         raise
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)
