@@ -102,28 +102,32 @@ def wait_ray(address: str, nodes: int, auth: dict, timeout: float = 90) -> None:
     raise RuntimeError(f"Ray at {address} did not get {nodes} live nodes in {timeout}s")
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """URI of a real MLflow tracking server (SQLite backend, proxied artifacts) on loopback."""
-    tmp = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = open(tmp / "server.log", "w")
+def start_mlflow_server(tmp: Path, port: int) -> subprocess.Popen:
+    """A real MLflow tracking server (SQLite backend in ``tmp``, proxied artifacts) on 127.0.0.1:``port``, answering.
+    Started again on the same folder and port, it serves the same runs."""
+    log = open(tmp / "server.log", "a")
     proc = subprocess.Popen(
         [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts")],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp)
-    uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
         try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 stop_group(proc)
                 raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
             time.sleep(1)
-    yield uri
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """URI of a real MLflow tracking server (SQLite backend, proxied artifacts) on loopback."""
+    port = free_port()
+    proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow"), port)
+    yield f"http://127.0.0.1:{port}"
     stop_group(proc)
 
 

@@ -348,6 +348,10 @@ CASES = [
     Case("final-imagefolder-without-a-test-split", "cowtune",
          lambda t: final("--datasets", f"imagefolder={t.tree('tree')}", "--labels", "6", "--seeds", "1")(t),
          ("dataset 'imagefolder' (", "has no test split to report")),
+    # cowtune upload
+    Case("upload-nothing-waits-there", "cowtune", lambda t: ["upload", str(t.write("empty/readme.txt", "x").parent)],
+         ("no MLflow records wait in", "empty (a trial keeps them there when it ends while the tracking server does "
+          "not answer)")),
     Case("final-batch-the-workers-cannot-split", "cowtune",
          final("--datasets", "cifar10=data", "--skip-data-check", "--ddp-workers", "3"),
          ("train.batch_size must be divisible by the 3 data-parallel workers that split it, got 256",)),
@@ -479,4 +483,4 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(case, tmp_path, monkey
 def test_the_table_covers_every_command_and_kind_of_input():
     assert len(CASES) >= 32 and len({c.id for c in CASES}) == len(CASES)
     commands = {c.id.split("-")[0] for c in CASES}
-    assert commands == {"train", "search", "promote", "final", "evaluate", "masks"}
+    assert commands == {"train", "search", "promote", "final", "evaluate", "masks", "upload"}

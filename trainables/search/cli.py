@@ -1,4 +1,4 @@
-"""``cowtune promote`` and ``cowtune final``: argparse subcommands (Ray and MLflow load only when run)."""
+"""``cowtune promote``, ``final`` and ``upload``: argparse subcommands (Ray and MLflow load only when run)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +53,19 @@ def _cmd_final(args: argparse.Namespace) -> int:
     return 1 if failed else 0   # the table holds the runs that finished; the failed ones were listed
 
 
+def _cmd_upload(args: argparse.Namespace) -> int:
+    from trainables.search.outbox import OUTBOX, outbox_home, upload
+
+    root = Path(args.folder) if args.folder else outbox_home()
+    if not root.is_dir() or not any(root.rglob(OUTBOX)):
+        raise ConfigError(f"no MLflow records wait in {root} (a trial keeps them there when it ends while the "
+                          "tracking server does not answer)")
+    done, waiting = upload(root)
+    print(f"{done} trial runs delivered" + (f"; {waiting} still wait: MLflow does not answer, run this again "
+                                            "when it does" if waiting else ""))
+    return 1 if waiting else 0
+
+
 def add_search_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("promote", help="register the best trial of a search and write its config")
     p.add_argument("--search", required=True, help="search name (the MLflow experiment), e.g. cifar10_cowmix")
@@ -79,3 +92,7 @@ def add_search_commands(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on the driver (they exist only on the workers)")
     f.set_defaults(func=_cmd_final)
+
+    u = sub.add_parser("upload", help="deliver the MLflow records trials kept while the tracking server was away")
+    u.add_argument("folder", nargs="?", help="where they wait (default $COWTUNE_OUTBOX or ~/.cowtune/mlflow-outbox)")
+    u.set_defaults(func=_cmd_upload)

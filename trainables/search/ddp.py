@@ -52,14 +52,13 @@ def _trial_run(info: dict[str, Any] | None, cfg: TrainConfig, data: Any) -> Any:
     """Rank 0 logs to the MLflow child run of the Tune trial that launched this data-parallel run."""
     if not info:
         return None
-    from trainables.search import tracking
+    from trainables.search.trial_run import TrialRun
     out = Path(tempfile.mkdtemp(prefix="cowtune-ddp-"))
-    run = tracking.TrialRun(info["uri"], info["experiment_id"], info["parent_run_id"], info["trial_id"],
-                             info["trial_name"], out, cfg.to_dict(),
-                             {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,
-                              "model": cfg.model, "seed": str(cfg.seed), "data_parallel.workers": str(info["workers"]),
-                              "mlflow.source.git.commit": info.get("git_sha", "unknown"),
-                              **{f"split.{k}": v for k, v in data.split_hashes.items()}})
+    run = TrialRun(info["uri"], info["experiment_id"], info["parent_run_id"], info["trial_id"], info["trial_name"], out,
+                   cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,
+                                   "model": cfg.model, "seed": str(cfg.seed), "data_parallel.workers": str(info["workers"]),
+                                   "mlflow.source.git.commit": info.get("git_sha", "unknown"),
+                                   **{f"split.{k}": v for k, v in data.split_hashes.items()}})
     run.out_dir = out
     return run
 

@@ -1,31 +1,25 @@
-"""MLflow glue: one parent run per search, one child run per trial, re-attached after a restore.
+"""MLflow glue: one parent run per search, one child run per trial (``trial_run.TrialRun``), re-attached after a restore.
 
-Everything goes through ``MlflowClient`` with explicit
-run ids (no fluent "active run"), so Ray worker processes never share hidden global state and an
-``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713). Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with
-artifacts in ``<cwd>/mlartifacts``; open it with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
+Everything goes through ``MlflowClient`` with explicit run ids (no fluent "active run"), so Ray worker processes never
+share hidden global state and an ``MLFLOW_RUN_ID`` in the environment cannot redirect a trial (mlflow/mlflow#15713).
+Embedded default: without ``MLFLOW_TRACKING_URI`` the store is ``sqlite:///<cwd>/mlflow.db`` with artifacts in
+``<cwd>/mlartifacts``; open it with ``mlflow ui --backend-store-uri sqlite:///mlflow.db``.
 """
 from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-
-from trainables.validation import flatten
 
 PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
 ORPHAN_TAG = "cowtune.orphaned"       # a trial's run that the restored Ray experiment does not know
 KIND_TAG = "mlflow.experimentKind"    # the MLflow UI's view of an experiment
-RUN_ID_FILE = "mlflow_run_id.txt"      # kept in the trial checkpoint folder
-FAILURE_TAG = "cowtune.failure"       # why a trial failed for good: a retry stops at once with it
-MAX_PARAM_CHARS = 6000
 
 
 def resolve_tracking_uri(workdir: str | Path | None = None) -> str:
@@ -80,59 +74,6 @@ def child_runs(uri: str, experiment_id: str, parent_id: str) -> list[Any]:
 def find_trial_run(uri: str, experiment_id: str, parent_id: str, trial_id: str) -> str | None:
     runs = [r for r in child_runs(uri, experiment_id, parent_id) if r.data.tags.get(TRIAL_TAG) == trial_id]
     return runs[0].info.run_id if runs else None
-
-
-class TrialRun:
-    """The child run of one trial. Re-attaches through the run id kept in the checkpoint folder, or
-    through the trial id tag (a trial restarted before its first checkpoint); never logs an epoch twice."""
-
-    def __init__(self, uri: str, experiment_id: str, parent_id: str, trial_id: str, trial_name: str,
-                 out_dir: Path, config: dict[str, Any], tags: dict[str, str]):
-        self.client = MlflowClient(uri)
-        id_file = out_dir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.exists() else None
-        run_id = run_id or find_trial_run(uri, experiment_id, parent_id, trial_id)
-        if run_id is None:
-            run = self.client.create_run(experiment_id, run_name=trial_name,
-                                         tags={PARENT_TAG: parent_id, TRIAL_TAG: trial_id, **tags})
-            run_id = run.info.run_id
-            params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(run_id, params=params[i:i + 100])
-            self.created = True
-        else:
-            self.earlier_failure = self.client.get_run(run_id).data.tags.get(FAILURE_TAG)
-            self.client.update_run(run_id, status="RUNNING")
-            self.created = False
-        id_file.write_text(run_id)
-        self.run_id = run_id
-        self.logged = {int(m.step) for m in self.client.get_metric_history(run_id, "epoch")}
-
-    earlier_failure: str | None = None   # a re-attached run's FAILURE_TAG: why an earlier attempt failed for good
-
-    def record_failure(self, exc: Exception) -> None:
-        """Why the trial failed for good (its loss diverged, its device ran out of memory), on its run."""
-        self.set_tags({FAILURE_TAG: f"{type(exc).__name__}: {exc}"})
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-    def log_epoch(self, epoch: int, metrics: dict[str, float]) -> bool:
-        """Log one epoch's metrics at step=epoch; False (and nothing logged) if it is already there."""
-        if epoch in self.logged:
-            return False
-        ts = int(1000 * time.time())
-        batch = [Metric(k, float(v), ts, epoch) for k, v in metrics.items() if isinstance(v, (int, float))]
-        for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
-        self.logged.add(epoch)
-        return True
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
-
-    def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
 
 
 def find_parent(uri: str, experiment_id: str, experiment_path: str) -> Any | None:

@@ -25,7 +25,7 @@ from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
-from trainables.search import tracking
+from trainables.search.trial_run import TrialRun
 from trainables.step import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
@@ -111,11 +111,12 @@ def train_trial(config: dict[str, Any]) -> None:
     loads_before = DATA_LOADS
     data = cached_data(cfg, device)
     data = HoldoutOnly(data) if search else data
-    run = tracking.TrialRun(meta["uri"], meta["experiment_id"], meta["parent_run_id"], trial_id, trial_name, out,
-                            cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled),
-                                            "method": cfg.method, "model": cfg.model, "seed": str(cfg.seed),
-                                            "mlflow.source.git.commit": meta.get("git_sha", "unknown"),
-                                            **{f"split.{k}": v for k, v in data.split_hashes.items()}})
+    log = lambda s: print(f"[{trial_name}] {s}", flush=True)   # noqa: E731 - the driver's console, per trial
+    run = TrialRun(meta["uri"], meta["experiment_id"], meta["parent_run_id"], trial_id, trial_name, out,
+                   cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,
+                                   "model": cfg.model, "seed": str(cfg.seed), "mlflow.source.git.commit": meta.get(
+                                       "git_sha", "unknown"), **{f"split.{k}": v for k, v in data.split_hashes.items()}},
+                   log)
     if run.earlier_failure:   # Ray's retry of a trial that diverged or ran out of memory would do so again
         raise RuntimeError(f"not retried, {run.earlier_failure}")
     run.set_tags({"worker.pid": os.getpid(), "worker.data_cache_hit": DATA_LOADS == loads_before,
@@ -141,8 +142,7 @@ def train_trial(config: dict[str, Any]) -> None:
         tune.report({**metrics, "data_loads": DATA_LOADS}, checkpoint=tune.Checkpoint.from_directory(out))
 
     try:   # Ray keeps the trial's earlier checkpoints: no .prev copy
-        fit(cfg, out, report=report, data=data, log=lambda s: print(f"[{trial_name}] {s}", flush=True),
-            shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)
+        fit(cfg, out, report=report, data=data, log=log, shared_gpu=0 < meta.get("gpu", 0) < 1, keep_previous=False)
     except (TrainingDiverged, RunOutOfMemory) as exc:   # the reason on the MLflow run; Tune marks the trial ERROR
         run.record_failure(exc)
         raise
