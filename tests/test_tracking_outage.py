@@ -79,3 +79,44 @@ def test_records_wait_while_the_server_is_away_and_arrive_in_order(tmp_path, mon
         assert sorted(m.step for m in client.get_metric_history(run.run_id, "val/error_teacher")) == [1, 2, 3, 4, 5]
     finally:
         stop_group(server)
+
+
+def test_a_search_trains_on_while_mlflow_is_away_and_records_every_epoch_once(search_env, tmp_path):
+    """The tracking server of a running search stops after the trial's first epoch and starts again a while later:
+    the trial never fails or waits for it, and its run ends with every epoch, once, in order."""
+    store, port = tmp_path / "server", free_port()
+    store.mkdir()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(store, port)
+    env = {**search_env, "MLFLOW_TRACKING_URI": uri}
+    args = ["--smoke-test", "--trials", "1", "--epochs", "8", "--set", "train.steps_per_epoch=60", "--no-compile-ahead",
+            "--name", "away", "--storage", str(tmp_path / "ray")]
+    client = MlflowClient(uri)
+    try:
+        with open(tmp_path / "search.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), *args],
+                                    env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline, child = time.time() + 240, None
+                while time.time() < deadline and proc.poll() is None:
+                    exp = client.get_experiment_by_name("away")
+                    runs = client.search_runs([exp.experiment_id]) if exp else []
+                    child = next((r for r in runs if "mlflow.parentRunId" in r.data.tags), None)
+                    if child and client.get_metric_history(child.info.run_id, "epoch"):
+                        break
+                    time.sleep(0.2)
+                assert proc.poll() is None and child is not None, (tmp_path / "search.log").read_text()[-3000:]
+                stop_group(server)                       # away from epoch 1 or 2 on
+                time.sleep(8)
+                server = start_mlflow_server(store, port)
+                assert proc.wait(300) == 0, (tmp_path / "search.log").read_text()[-3000:]
+            finally:
+                proc.kill()
+        out = (tmp_path / "search.log").read_text()
+        assert "done: 1 trials (0 failed)" in out and "does not answer" in out and "answers again" in out, out[-3000:]
+        run = client.get_run(child.info.run_id)
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(child.info.run_id, "val/error_teacher")
+        assert [m.step for m in sorted(history, key=lambda m: m.timestamp)] == list(range(1, 9))
+    finally:
+        stop_group(server)

@@ -4,13 +4,12 @@ Everything that can be wrong with a search is checked before Ray starts (``prepa
 restores a search whose driver died (``Tuner.restore``, the same MLflow parent run), or with a larger --trials grows
 a finished one (``studies``); a round's end puts the best trial, a description and plots on the parent (``summary``).
 
-Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED, with its per-epoch teacher errors as
-intermediate values, never as COMPLETE: TPE ranks it below every trial that got further.
+Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED (its per-epoch teacher errors as
+intermediate values), never COMPLETE: TPE ranks it below every trial that got further.
 
-Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max)
-* steps_per_epoch) is the EMA teacher's time constant in epochs for the largest alpha the space
-can draw: after 3 H the random initialisation's share of the teacher, alpha^steps, is below
-e^-3 = 5%; before that a slow teacher would be judged on the weights it started from.
+Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max) * steps_per_epoch)
+is the EMA teacher's time constant in epochs for the largest alpha the space can draw: after 3 H the random
+initialisation's share of the teacher, alpha^steps, is below e^-3 = 5%; before, it would be judged on its start.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.fast import compile_ahead
-from trainables.search import intervals, progress, studies, summary, tracking
+from trainables.search import intervals, outbox, progress, studies, summary, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
@@ -65,8 +64,7 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result, error)
 
 
-def _trial_dirname(trial: Any) -> str:   # not the config: its constants make very long paths
-    return f"{trial.trainable_name}_{trial.trial_id}"
+_trial_dirname = lambda trial: f"{trial.trainable_name}_{trial.trial_id}"   # noqa: E731 - not the config: long paths
 
 
 def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv: list[str] | None = None) -> Any:
@@ -86,8 +84,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     base = TrainConfig.from_dict(plan.base)
     if not args.no_compile_ahead:   # the step's first compilation, the longest wait, starts now
         compile_ahead.start(base)
-    warming = warm_decode_cache(base.data)   # while the compile-ahead process starts; the trials read its cache
-    if warming is not None:
+    if (warming := warm_decode_cache(base.data)) is not None:   # while compile-ahead starts; trials read its cache
         warming.join()
         if warming.error is not None:   # a bad image file: named now, not as every trial failing
             print(f"{settings.name}: error: {warming.error}", file=sys.stderr)
@@ -96,7 +93,10 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
                                                                          plan.settings, list(round_.paths))
     try:
         return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring, round_, study_db)
-    except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
+    except BaseException as exc:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes, re-opens it)
+        if outbox.is_outage(exc):   # MLflow gone at the end: Ray holds every result, the trials' nodes their records
+            raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on the"
+                             " trials' nodes: when it answers, `cowtune upload` there, then this command again") from None
         tracking.finish_run(uri, parent_id, "FAILED")
         raise
 

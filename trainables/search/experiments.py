@@ -15,6 +15,7 @@ from ray import tune
 from trainables import metrics as M
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.search import tracking
+from trainables.search.outbox import is_outage
 from trainables.search.job_settings import experiment_path, log_params, setting_params
 
 
@@ -26,12 +27,18 @@ class FinishChildRuns(tune.Callback):
         self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
 
     def _finish(self, trial: Any, status: str) -> None:
-        run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
-        last = int(trial.last_result.get(M.EPOCH, 0))
-        if run_id:
-            final_curve(self.uri, run_id)
-            tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
-                                                           "cowtune.stopped_early": str(last < self.full_epochs)})
+        try:
+            run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
+            last = int(trial.last_result.get(M.EPOCH, 0))
+            if run_id:
+                final_curve(self.uri, run_id)
+                tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
+                                                               "cowtune.stopped_early": str(last < self.full_epochs)})
+        except Exception as exc:   # noqa: BLE001 - MLflow away: the trial's own outbox ends its run when it answers
+            if not is_outage(exc):
+                raise
+            print(f"MLflow at {self.uri} does not answer: trial {trial.trial_id}'s run is closed by its own records "
+                  "when it answers", flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._finish(trial, "FINISHED")
