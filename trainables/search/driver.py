@@ -95,8 +95,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
         return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring, round_, study_db)
     except BaseException as exc:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes, re-opens it)
         if outbox.is_outage(exc):   # MLflow gone at the end: Ray holds every result, the trials' nodes their records
-            raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on the"
-                             " trials' nodes: when it answers, `cowtune upload` there, then this command again") from None
+            raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on"
+                             " the trials' nodes: when it answers, run `cowtune upload` there (no summary recorded)") from None
         tracking.finish_run(uri, parent_id, "FAILED")
         raise
 
