@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import run_checked
 from trainables import metrics as M
-from trainables.search.driver import BudgetAwareOptunaSearch
+from trainables.search.studies import BudgetAwareOptunaSearch
 from trainables.search.intervals import Float
 
 pytestmark = pytest.mark.slow

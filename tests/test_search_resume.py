@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -61,6 +62,16 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
         assert c.info.status == "FINISHED"
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "val/error_teacher")]
         assert sorted(steps) == [1, 2, 3], (c.info.run_name, steps)       # nothing lost, nothing logged twice
+    # The Optuna study (its default database, STORAGE/NAME.optuna.db): each trial once, with its final error
+    study = optuna.load_study(study_name="resume", storage=f"sqlite:///{tmp_path / 'ray' / 'resume.optuna.db'}")
+    histories = [{m.step: m.value for m in client.get_metric_history(c.info.run_id, "val/error_teacher")}
+                 for c in children]
+    assert len(study.trials) == 4 and {t.state for t in study.trials} <= {optuna.trial.TrialState.COMPLETE,
+                                                                          optuna.trial.TrialState.PRUNED}
+    assert sorted(sorted(t.intermediate_values.items()) for t in study.trials) == \
+        sorted(sorted(h.items()) for h in histories)          # every epoch of every trial, those after the restore too
+    assert sorted(t.value for t in study.trials if t.value is not None) == \
+        sorted(h[max(h)] for h in histories if max(h) == 3)   # the finished trials' final errors
 
 
 def test_a_killed_trial_worker_is_retried_from_its_checkpoint_to_the_undisturbed_result(search_env, mlflow_server,

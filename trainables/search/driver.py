@@ -4,8 +4,7 @@ Everything that can be wrong with a search is checked before Ray starts (``prepa
 restores a search whose driver died (``Tuner.restore``, the same MLflow parent run), or with a larger --trials grows
 a finished one (``studies``); a round's end puts the best trial, a description and plots on the parent (``summary``).
 
-Early stopping and TPE: a trial that ASHA stops is told to Optuna as PRUNED (its per-epoch teacher errors as
-intermediate values), never COMPLETE: TPE ranks it below every trial that got further.
+Early stopping and TPE: ``studies.BudgetAwareOptunaSearch``.
 
 Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max) * steps_per_epoch)
 is the EMA teacher's time constant in epochs for the largest alpha the space can draw: after 3 H the random
@@ -20,13 +19,12 @@ from typing import Any
 import optuna
 import ray
 from ray import tune
-from ray.tune.search.optuna import OptunaSearch
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.fast import compile_ahead
-from trainables.search import intervals, outbox, progress, studies, summary, tracking
+from trainables.search import outbox, progress, studies, summary, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
@@ -34,34 +32,6 @@ from trainables.search.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
 __all__ = ["HOLDOUT", "SearchSettings", "run_search"]
-
-
-class BudgetAwareOptunaSearch(OptunaSearch):
-    """OptunaSearch over a compiled space that decodes intervals and tells stopped trials as PRUNED."""
-
-    def __init__(self, space: dict[str, Any], full_epochs: int, **kw: Any):
-        self._cow_space, self._full_epochs = space, full_epochs
-        dists = {name: (optuna.distributions.FloatDistribution(spec[1], spec[2], log=spec[3]) if spec[0] == "float"
-                        else optuna.distributions.CategoricalDistribution(spec[1]))
-                 for name, spec in intervals.space_params(space).items()}
-        super().__init__(dists, **kw)
-
-    def suggest(self, trial_id: str) -> dict[str, Any] | None:
-        if trial_id not in self._ot_trials:
-            self._ot_trials[trial_id] = self._ot_study.ask(fixed_distributions=self._space)
-        return intervals.decode(self._cow_space, self._ot_trials[trial_id].params)
-
-    def on_trial_result(self, trial_id: str, result: dict) -> None:
-        if trial_id not in self._completed_trials and M.EPOCH in result:
-            self._ot_trials[trial_id].report(result[self.metric], int(result[M.EPOCH]))
-
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        if result and not error and result.get(M.EPOCH, 0) < self._full_epochs and trial_id not in self._completed_trials:
-            self.on_trial_result(trial_id, result)   # the result ASHA stopped it on: Tune never passes it to on_trial_result
-            self._ot_study.tell(self._ot_trials[trial_id], state=optuna.trial.TrialState.PRUNED)
-            self._completed_trials.add(trial_id)
-            return
-        super().on_trial_complete(trial_id, result, error)
 
 
 _trial_dirname = lambda trial: f"{trial.trainable_name}_{trial.trial_id}"   # noqa: E731 - not the config: long paths
@@ -113,7 +83,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     if restoring:
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
-        searcher = BudgetAwareOptunaSearch(space, plan.epochs, metric=settings.metric, mode=settings.mode,
+        searcher = studies.BudgetAwareOptunaSearch(space, plan.epochs, metric=settings.metric, mode=settings.mode,
                                            points_to_evaluate=None if round_.index else plan.points,
                                            sampler=optuna.samplers.TPESampler(seed=plan.seed + round_.index),
                                            study_name=plan.name, storage=study_db)

@@ -9,17 +9,24 @@ Growing: the same command with a larger ``--trials`` after the search finished r
 *round*: a Ray experiment ``NAME-more1`` (then ``-more2``...) beside ``NAME``, whose searcher loads the same study,
 so TPE proposes from every trial so far, and whose trials join the same MLflow parent run. ASHA compares the trials
 of one round with each other. A round that did not finish resumes, as a search does.
+
+Early stopping and TPE (``BudgetAwareOptunaSearch``): a trial that ASHA stops is told to Optuna as PRUNED, with its
+per-epoch teacher errors as intermediate values (each epoch once, a restored search's too), never COMPLETE: TPE ranks
+it below every trial that got further.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 from mlflow.tracking import MlflowClient
 from ray import tune
+from ray.tune.search.optuna import OptunaSearch
 
-from trainables.search import tracking
+from trainables import metrics as M
+from trainables.search import intervals, tracking
 from trainables.search.job_settings import experiment_path
 from trainables.validation import ConfigError
 
@@ -117,3 +124,34 @@ def load(storage: optuna.storages.BaseStorage | None, name: str) -> optuna.Study
         return optuna.load_study(study_name=name, storage=storage)
     except KeyError:
         return None
+
+
+class BudgetAwareOptunaSearch(OptunaSearch):
+    """OptunaSearch over a compiled space that decodes intervals and tells stopped trials as PRUNED."""
+
+    def __init__(self, space: dict[str, Any], full_epochs: int, **kw: Any):
+        self._cow_space, self._full_epochs = space, full_epochs
+        dists = {name: (optuna.distributions.FloatDistribution(spec[1], spec[2], log=spec[3]) if spec[0] == "float"
+                        else optuna.distributions.CategoricalDistribution(spec[1]))
+                 for name, spec in intervals.space_params(space).items()}
+        super().__init__(dists, **kw)
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        if trial_id not in self._ot_trials:
+            self._ot_trials[trial_id] = self._ot_study.ask(fixed_distributions=self._space)
+        return intervals.decode(self._cow_space, self._ot_trials[trial_id].params)
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        trial = self._ot_trials[trial_id]
+        if trial_id not in self._completed_trials and int(result.get(M.EPOCH, 0)) not in \
+                {0, *trial._cached_frozen_trial.intermediate_values}:   # each epoch once
+            trial.report(result[self.metric], int(result[M.EPOCH]))
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if result and not error and trial_id not in self._completed_trials:
+            self.on_trial_result(trial_id, result)   # the last epoch: ASHA's stop, or in a restored search, comes only here
+            if result.get(M.EPOCH, 0) < self._full_epochs:
+                self._ot_study.tell(self._ot_trials[trial_id], state=optuna.trial.TrialState.PRUNED)
+                self._completed_trials.add(trial_id)
+                return
+        super().on_trial_complete(trial_id, result, error)
