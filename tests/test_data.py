@@ -487,3 +487,27 @@ def test_an_image_that_cannot_be_decoded_is_named(tmp_path, workers, monkeypatch
     with pytest.raises(ConfigError, match=r"holds an image that cannot be decoded, train/b/007\.jpg \(OSError"):
         D.load_raw(DataConfig(dataset="imagefolder", root=str(root)))
     assert not list((tmp_path / "cache").glob("*.npz"))   # nothing cached
+
+
+def test_images_that_cannot_be_decoded_are_left_out_when_asked(tmp_path, monkeypatch, capsys):
+    """data.unreadable=skip: a truncated file and one that is not an image (the very first file, whose header
+    sets the image size) are left out and named; every other image keeps its own class label, as does the cache."""
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    _write_tree(tree, classes=3, per_class=8, size=16, split_dirs=False)
+    (tree / "class0" / "000.png").write_bytes(b"not an image")
+    good = (tree / "class2" / "005.png").read_bytes()
+    (tree / "class2" / "005.png").write_bytes(good[: len(good) // 2])
+    cfg = DataConfig(dataset="imagefolder", root=str(tree), n_val=0, eval_split="test", unreadable="skip")
+    with pytest.raises(ConfigError, match=r"class0/000\.png .*or leave such files out with --set data.unreadable=skip"):
+        D.load_raw(dataclasses.replace(cfg, unreadable="stop"))
+    for _ in range(2):   # decoded, then from the cache
+        raw = D.load_raw(cfg)
+        assert len(raw.train_images) == len(raw.train_labels) == 22
+        assert np.bincount(raw.train_labels).tolist() == [7, 8, 7]
+        # each kept image is its own class's colour (class c's red channel is about 80 c)
+        red = raw.train_images[..., 0].reshape(22, -1).mean(axis=1)
+        assert all(abs(r - 80 * y) < 35 for r, y in zip(red, raw.train_labels))
+    assert "skipped 2 image files of" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="data.unreadable must be 'stop' or 'skip', got 'ignore'"):
+        DataConfig(unreadable="ignore")

@@ -272,3 +272,19 @@ def test_running_out_of_memory_stops_the_run_in_one_line_naming_what_to_lower(tm
                         r"the run stopped: lower train\.batch_size \(16384\), or choose a smaller model than cnn_tiny",
                         line), line
     assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "result.json").exists()
+
+
+def test_a_checkpoint_written_before_a_config_field_existed_still_resumes(digits, tmp_path):
+    """A run checkpointed by an older cowtune (its config lacks data.unreadable, added since) resumes: the new
+    field's default is what it ran with; a field that really differs is still refused."""
+    cfg = tiny_config("cowmix", epochs=1)
+    fit(cfg, tmp_path, data=digits, log=lambda s: None)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    del ckpt["config"]["data"]["unreadable"]
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    said = []
+    fit(cfg, tmp_path, data=digits, log=said.append)
+    assert any(s.startswith("resumed from") for s in said)
+    with pytest.raises(ConfigError, match=r"differs in: data.unreadable"):
+        fit(TrainConfig.from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "unreadable": "skip"}}),
+            tmp_path, data=digits, log=lambda s: None)

@@ -34,6 +34,8 @@ class DataConfig:
     colour_jitter: bool = False       # large-image path only (inception crop + flip + jitter)
     pipeline: str = "auto"            # "device" (decoded uint8 on the training device), "loader", "auto"
     workers: int = 4                  # DataLoader workers for the large-image path
+    unreadable: str = "stop"          # an image file that cannot be decoded: "stop" (named, nothing trains) or
+                                      # "skip" (left out, each named; small images decoded once only)
 
     def __post_init__(self) -> None:
         check(self.n_val >= 0, "data.n_val", "be >= 0", self.n_val)
@@ -45,6 +47,7 @@ class DataConfig:
         check(self.image_size is None or self.image_size >= 8, "data.image_size", "be >= 8 or null", self.image_size)
         check(self.pipeline in ("auto", "device", "loader"), "data.pipeline", "be 'auto', 'device' or 'loader'", self.pipeline)
         check(self.workers >= 0, "data.workers", "be >= 0", self.workers)
+        check(self.unreadable in ("stop", "skip"), "data.unreadable", "be 'stop' or 'skip'", self.unreadable)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,6 +85,15 @@ def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [k for k in keys if fa.get(k) != fb.get(k) and k not in RESUME_FREE]
 
 
+def _with_new_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config with the fields added to TrainConfig since it was written, at their defaults (which
+    are what it ran with); as it is when it no longer loads."""
+    try:
+        return TrainConfig.from_dict(config).to_dict()
+    except ConfigError:
+        return config
+
+
 def _fmt_time(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)
@@ -244,7 +253,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     resume = None
     if ckpt_path.exists() and not restart:
         resume = checkpoints.load(ckpt_path, log)   # tensors and plain data only; a damaged one: the epoch before
-        diff = config_differences(resume["config"], cfg.to_dict())
+        diff = config_differences(_with_new_fields(resume["config"]), cfg.to_dict())
         if diff:
             raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
                               "use another output folder, or pass --restart to start over")

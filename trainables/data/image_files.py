@@ -172,18 +172,20 @@ def _source_key(root: str, files: Sequence[FileImages | None]) -> str:
     return h.hexdigest()[:24]
 
 
-def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | None) -> dict[str, np.ndarray]:
+def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | None,
+                   skip: bool = False) -> dict[str, np.ndarray]:
     """Decode every image to uint8 (N, H, W, 3) once; later calls read the .npz cache.
 
-    Returns {"train": ..., "test": ... (when there is a test split), "mean": (3,), "std": (3,)}.
+    Returns {"train": ..., "test": ... (when there is a test split), "mean": (3,), "std": (3,)}; with ``skip``,
+    files that cannot be decoded are left out (each named once) and "train_kept"/"test_kept" index the others.
     """
-    path = _cache_dir() / f"imagefolder-{_source_key(root, (train, test))}.npz"
+    path = _cache_dir() / f"imagefolder-{_source_key(root, (train, test))}{'-skip' if skip else ''}.npz"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # one process decodes, the others (packed trials, a search driver warming the cache) wait and read it
         with exclusive(path.with_suffix(".lock")) as lock:
             if not path.exists():
-                return _decode_to_cache(path, shown, train, test)
+                return _decode_to_cache(path, shown, train, test, skip)
         print(f"data: waited {lock['waited_s']:.1f} s for another process decoding {shown}", flush=True)
     t0 = time.perf_counter()
     with np.load(path, allow_pickle=False) as z:
@@ -193,12 +195,17 @@ def _decode_cached(root: str, shown: str, train: FileImages, test: FileImages | 
     return out
 
 
-def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages | None) -> dict[str, np.ndarray]:
+def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages | None,
+                     skip: bool = False) -> dict[str, np.ndarray]:
     t0 = time.perf_counter()
     workers = default_workers(len(train) + (len(test) if test is not None else 0))
-    out = {"train": _decode_all(train, shown, workers)}
+    out = {}
+    for split, files in (("train", train), ("test", test)):
+        if files is not None:
+            out[split], kept = _decode_all(files, shown, workers, skip)
+            if skip:
+                out[f"{split}_kept"] = kept
     if test is not None:
-        out["test"] = _decode_all(test, shown, workers)
         check(out["test"].shape[1:] == out["train"].shape[1:], "data.root",
               "hold test images of the training image size", shown)
     mean, std = _channel_stats(out["train"])
@@ -212,28 +219,48 @@ def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages
     return out
 
 
-def _decode_all(files: FileImages, shown: str, workers: int | None = None) -> np.ndarray:
-    """(N, H, W, 3) uint8, decoded by ``workers`` processes (default: by the count,
-    ``trainables.image_decode.default_workers``); every image must have the first image's size."""
-    try:
-        size = files.open(0).size   # the header only: the workers decode every image, the first included
-    except UNREADABLE as exc:
-        raise unreadable(files.names[0], f"{type(exc).__name__}: {exc}", shown) from None
-    out, bad = decode_images(files.root, files.names, size, workers)
-    if bad is not None and isinstance(bad[1], str):
-        raise unreadable(files.names[bad[0]], bad[1], shown)
-    if bad is not None:
-        i, (w, h) = bad
-        raise ConfigError(
-            f"data.root must hold images of one size for the device pipeline (first is "
-            f"{size[0]}x{size[1]}, {files.names[i]} is {w}x{h}); "
-            f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
-    return out
+def _decode_all(files: FileImages, shown: str, workers: int | None = None,
+                skip: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(N, H, W, 3) uint8 and the (N,) indices of ``files`` they are, decoded by ``workers`` processes (default: by
+    the count, ``trainables.image_decode.default_workers``); every image must have the first image's size. A file
+    that cannot be decoded stops it, named, or with ``skip`` is left out and named."""
+    names, parts, kept, skipped, start, size = [str(n) for n in files.names], [], [], [], 0, None
+    while size is None and start < len(names):
+        try:
+            size = files.open(start).size   # the header only: the workers decode every image, the first included
+        except UNREADABLE as exc:
+            if not skip:
+                raise unreadable(names[start], f"{type(exc).__name__}: {exc}", shown) from None
+            skipped.append(names[start])
+            start += 1
+    while start < len(names):
+        out, bad = decode_images(files.root, names[start:], size, workers)
+        parts.append(out)
+        kept.append(np.arange(start, start + len(out)))
+        if bad is None:
+            break
+        i = start + bad[0]
+        if isinstance(bad[1], str) and not skip:
+            raise unreadable(names[i], bad[1], shown)
+        if not isinstance(bad[1], str):
+            raise ConfigError(
+                f"data.root must hold images of one size for the device pipeline (first is "
+                f"{size[0]}x{size[1]}, {names[i]} is {bad[1][0]}x{bad[1][1]}); "
+                f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
+        skipped.append(names[i])
+        start = i + 1
+    if skipped:
+        print(f"data: skipped {len(skipped)} image file{'s' if len(skipped) > 1 else ''} of {shown} that cannot be "
+              f"decoded (data.unreadable=skip): {', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}",
+              flush=True)
+    check(bool(parts) and sum(len(p) for p in parts) > 0, "data.root", "hold at least one image that decodes", shown)
+    return np.concatenate(parts), np.concatenate(kept)
 
 
 def unreadable(name: str, reason: str, shown: str, field: str = "data.root") -> ConfigError:
     return ConfigError(f"{field} {shown!r} holds an image that cannot be decoded, {name} ({reason}): remove or "
-                       "replace it (its folder names its class)")
+                       "replace it (its folder names its class), or leave such files out with "
+                       "--set data.unreadable=skip")
 
 
 def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

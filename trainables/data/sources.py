@@ -16,7 +16,7 @@ from trainables.data.image_files import (FileImages, _channel_stats, _decode_cac
                                         unreadable)
 from trainables.data.splits import _fingerprint
 from trainables.image_decode import UNREADABLE
-from trainables.validation import ConfigError, unknown_name
+from trainables.validation import ConfigError, check, unknown_name
 
 if TYPE_CHECKING:
     from trainables.config import DataConfig
@@ -212,16 +212,27 @@ def _load_imagefolder(cfg: "DataConfig") -> RawDataset:
     train_labels = np.array([index[c] for _, c, _ in train], dtype=np.int64)
     test_files = FileImages(root, np.array([n for n, _, _ in test])) if test else None
     test_labels = np.array([index[c] for _, c, _ in test], dtype=np.int64) if test else None
-    fingerprint = _fingerprint("imagefolder", train_labels, "\n".join(k for _, _, k in train))
-    try:
-        w, h = train_files.open(0).size   # the header only
-    except UNREADABLE as exc:   # not an image, or a truncated header: named as any other undecodable file
-        raise unreadable(train_files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", cfg.root) from None
+    skip = cfg.unreadable == "skip"
+    for i in range(len(train_files) if skip else 1):   # the header only; with skip, the first that reads
+        try:
+            w, h = train_files.open(i).size
+            break
+        except UNREADABLE as exc:   # not an image, or a truncated header: named as any other undecodable file
+            if not skip:
+                raise unreadable(train_files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", cfg.root) from None
+    else:
+        raise ConfigError(f"data.root {cfg.root!r} holds no image that can be decoded")
     small = cfg.pipeline == "device" or (cfg.pipeline == "auto" and max(w, h) <= SMALL_IMAGE_MAX)
     if not small:
+        check(not skip, "data.unreadable", "be 'stop' for large images read during training (data.pipeline "
+              "loader): remove the files that cannot be decoded", cfg.unreadable)
         mean, std = NORMALISATION["imagenet"]
         return RawDataset("imagefolder", train_files, train_labels, test_files, test_labels, classes,
-                          mean, std, True, fingerprint)
-    arrays = _decode_cached(root, cfg.root, train_files, test_files)
+                          mean, std, True, _fingerprint("imagefolder", train_labels, "\n".join(k for _, _, k in train)))
+    arrays = _decode_cached(root, cfg.root, train_files, test_files, skip)
+    if skip:   # the files left out, out of the labels (and the fingerprint) too
+        train_labels, train = train_labels[arrays["train_kept"]], [train[i] for i in arrays["train_kept"]]
+        test_labels = test_labels[arrays["test_kept"]] if test_labels is not None else None
+    fingerprint = _fingerprint("imagefolder", train_labels, "\n".join(k for _, _, k in train))
     return RawDataset("imagefolder", arrays["train"], train_labels, arrays.get("test"), test_labels, classes,
                       tuple(arrays["mean"].tolist()), tuple(arrays["std"].tolist()), True, fingerprint)
