@@ -58,3 +58,22 @@ def test_known_points_follow_the_paper_point_and_set_only_space_fields():
     outside = dataclasses.replace(cowmix.SEARCH, points=({"optim": {"lr_per_256": 0.1}},))
     with pytest.raises(ConfigError, match="SearchSettings.points must set only fields of the search space"):
         prepare_search(cowmix.BASE, cowmix.SPACE, outside, parse_args(outside, []))
+
+
+def test_a_trial_left_running_by_a_killed_driver_ends_as_fail_with_the_reason(tmp_path, capsys):
+    """After a round nothing else runs the search's trials: one still RUNNING in the study was asked before the
+    driver died, in a Tune trial that Ray had not saved (and ran again as another trial)."""
+    import optuna
+
+    from trainables.search.studies import ORPHANED, end_orphaned_trials
+
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}")
+    study.tell(study.ask(), 0.5)
+    study.ask()                                    # asked, never told: the driver died
+    end_orphaned_trials(optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}"))
+    states = [(t.state, t.user_attrs.get(ORPHANED, "")) for t in optuna.load_study(
+        study_name="s", storage=f"sqlite:///{tmp_path / 's.db'}").trials]
+    assert states[0] == (optuna.trial.TrialState.COMPLETE, "")
+    assert states[1][0] == optuna.trial.TrialState.FAIL and states[1][1].startswith("asked before the driver died")
+    assert "Optuna trial 1: asked before the driver died" in capsys.readouterr().out
+    end_orphaned_trials(None)                      # no study database: nothing to do

@@ -107,7 +107,8 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     except RuntimeError:   # no trial reported the metric (every one failed): said below, not as a traceback
         best = None
     failed = sum(1 for r in results if r.error)
-    summary.record(uri, parent_id, studies.load(study_db, plan.name), space, plan, settings.metric, round_.index)
+    studies.end_orphaned_trials(study := studies.load(study_db, plan.name))
+    summary.record(uri, parent_id, study, space, plan, settings.metric, round_.index)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})

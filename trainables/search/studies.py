@@ -116,6 +116,21 @@ def rounds_done(name: str, base: str) -> int:
     return int(parent.data.tags.get(ROUNDS_TAG, "0")) if parent is not None else 0
 
 
+ORPHANED = "cowtune.orphaned"
+
+
+def end_orphaned_trials(study: optuna.Study | None) -> None:
+    """After a round, end as FAIL (with the reason as user attribute ``cowtune.orphaned``) the study's trials still
+    RUNNING: asked of Optuna before the driver died, in a Tune trial Ray had not yet saved, which Ray therefore ran
+    again as another trial (one driver at a time runs a search, so nothing else is running them). Kept for the
+    record; TPE does not learn from them."""
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)) if study else ():
+        why = "asked before the driver died, in a Tune trial Ray had not saved; Ray ran its slot again as another trial"
+        study._storage.set_trial_user_attr(t._trial_id, ORPHANED, why)
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        print(f"Optuna trial {t.number}: {why}; ended as FAIL", flush=True)
+
+
 def load(storage: optuna.storages.BaseStorage | None, name: str) -> optuna.Study | None:
     """The search's study as its database holds it after a round, or None (no database, or no study yet)."""
     if storage is None:
