@@ -123,8 +123,8 @@ def _mean_over_workers(metrics: dict[str, float]) -> dict[str, float]:
 
 def _replica_spread(student: nn.Module) -> float:
     """max - min over workers of the sum of the student's weights: 0.0 while DDP keeps them identical."""
-    sums = torch.tensor([sum(float(p.detach().double().sum()) for p in student.parameters())],
-                        dtype=torch.float64, device=_collective_device())
+    sums = torch.stack([p.detach().double().sum() for p in student.parameters()]).sum().reshape(1)   # no host sync
+    sums = sums.to(_collective_device())
     gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
     return float(torch.cat(gathered).max() - torch.cat(gathered).min())

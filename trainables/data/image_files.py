@@ -224,15 +224,9 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None,
     """(N, H, W, 3) uint8 and the (N,) indices of ``files`` they are, decoded by ``workers`` processes (default: by
     the count, ``trainables.image_decode.default_workers``); every image must have the first image's size. A file
     that cannot be decoded stops it, named, or with ``skip`` is left out and named."""
-    names, parts, kept, skipped, start, size = [str(n) for n in files.names], [], [], [], 0, None
-    while size is None and start < len(names):
-        try:
-            size = files.open(start).size   # the header only: the workers decode every image, the first included
-        except UNREADABLE as exc:
-            if not skip:
-                raise unreadable(names[start], f"{type(exc).__name__}: {exc}", shown) from None
-            skipped.append(names[start])
-            start += 1
+    names, parts, kept = [str(n) for n in files.names], [], []
+    start, size = first_readable(files, shown, skip)   # the workers decode every image, the first included
+    skipped = names[:start]
     while start < len(names):
         out, bad = decode_images(files.root, names[start:], size, workers)
         parts.append(out)
@@ -255,6 +249,18 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None,
               flush=True)
     check(bool(parts) and sum(len(p) for p in parts) > 0, "data.root", "hold at least one image that decodes", shown)
     return np.concatenate(parts), np.concatenate(kept)
+
+
+def first_readable(files: FileImages, shown: str, skip: bool) -> tuple[int, tuple[int, int]]:
+    """The position and (width, height) of the first image whose header reads: the first image, or with ``skip``
+    the first after those that do not read."""
+    for i in range(len(files) if skip else 1):
+        try:
+            return i, files.open(i).size   # the header only
+        except UNREADABLE as exc:   # not an image, or a truncated header: named as any other undecodable file
+            if not skip:
+                raise unreadable(files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", shown) from None
+    raise ConfigError(f"data.root {shown!r} holds no image that can be decoded")
 
 
 def unreadable(name: str, reason: str, shown: str, field: str = "data.root") -> ConfigError:

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from trainables.data.image_files import (FileImages, _channel_stats, _decode_cached, _layout, _list_images,
-                                        unreadable)
+                                        first_readable)
 from trainables.data.splits import _fingerprint
-from trainables.image_decode import UNREADABLE
 from trainables.validation import ConfigError, check, unknown_name
 
 if TYPE_CHECKING:
@@ -213,15 +212,7 @@ def _load_imagefolder(cfg: "DataConfig") -> RawDataset:
     test_files = FileImages(root, np.array([n for n, _, _ in test])) if test else None
     test_labels = np.array([index[c] for _, c, _ in test], dtype=np.int64) if test else None
     skip = cfg.unreadable == "skip"
-    for i in range(len(train_files) if skip else 1):   # the header only; with skip, the first that reads
-        try:
-            w, h = train_files.open(i).size
-            break
-        except UNREADABLE as exc:   # not an image, or a truncated header: named as any other undecodable file
-            if not skip:
-                raise unreadable(train_files.names[0], f"{type(exc).__name__}: {str(exc)[:200]}", cfg.root) from None
-    else:
-        raise ConfigError(f"data.root {cfg.root!r} holds no image that can be decoded")
+    _, (w, h) = first_readable(train_files, cfg.root, skip)
     small = cfg.pipeline == "device" or (cfg.pipeline == "auto" and max(w, h) <= SMALL_IMAGE_MAX)
     if not small:
         check(not skip, "data.unreadable", "be 'stop' for large images read during training (data.pipeline "

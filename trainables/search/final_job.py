@@ -45,7 +45,8 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     gpus = ray.cluster_resources().get("GPU", 0)
     for r in runs:   # ImageNet: data-parallel over every GPU (CPU: 2 workers) unless told; small images: 1 unless told
         r["ddp_workers"] = ddp_workers or (max(2, int(gpus)) if r["dataset"] == "imagenet" else 1)
-        check_batch_split(TrainConfig.from_dict(r["config"]), r["ddp_workers"])
+        if not ddp_workers:   # told: checked above, before Ray
+            check_batch_split(TrainConfig.from_dict(r["config"]), r["ddp_workers"])
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "final",
             "git_sha": tracking.git_sha(), "cpus": cpus_per_trial, "gpu": 0, "use_gpu": gpus > 0, "storage": storage}
 
