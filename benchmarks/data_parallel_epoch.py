@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--world", type=int, required=True, help="workers (GPUs)")
     p.add_argument("--epochs", type=int, default=3, help="epochs to run (the first one compiles)")
     p.add_argument("--out", required=True, help="folder for the run (emptied first)")
+    p.add_argument("--save-every", type=int, default=1, help="write state.pt every N epochs (and after the last)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
 
@@ -40,7 +41,7 @@ def main() -> None:
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    history = launch_local(cfg, args.world, out, epochs=args.epochs)
+    history = launch_local(cfg, args.world, out, epochs=args.epochs, save_every=args.save_every)
     timed = history[1:] or history
     epoch_s = sum(m["epoch_s"] for m in timed) / len(timed)
     steps = history[-1]["step"] / history[-1]["epoch"]
