@@ -1,17 +1,20 @@
-"""Real services for the search tests: an `mlflow server` and a Ray head node, both on 127.0.0.1.
+"""Real services for the search tests: an `mlflow server`, a Ray head node and PostgreSQL, all on 127.0.0.1.
 
 Each is started once per test session as a child process in its own process group and stopped
 by that group id at the end (never `ray stop`, which would stop every Ray node of the user).
 """
 from __future__ import annotations
 
+import glob
 import os
+import pwd
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)   # Debian's server
 
 
 _GIVEN_PORTS: set[int] = set()
@@ -120,6 +124,66 @@ def start_mlflow_server(tmp: Path, port: int) -> subprocess.Popen:
                 stop_group(proc)
                 raise RuntimeError(f"mlflow server did not start: {(tmp / 'server.log').read_text()[-2000:]}")
             time.sleep(1)
+
+
+def wait_until(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Poll ``ok()`` until true; raise with the tail of ``log`` if ``proc`` exits or ``timeout`` s pass first."""
+    deadline = time.time() + timeout
+    while not ok():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.5)
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    """PostgreSQL refuses to run as root: as root, run it as Debian's postgres user."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+
+def start_postgres(password: str) -> tuple[subprocess.Popen, int, Path]:
+    """A PostgreSQL server (user ``cowtune``, ``password``) on 127.0.0.1, answering: its process, port and folder."""
+    folder = Path(tempfile.mkdtemp(prefix="cowtune-pg-"))   # not under pytest's root-only temp folders
+    (folder / "pw").write_text(password)
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        for p in (folder, folder / "pw"):
+            os.chown(p, user.pw_uid, user.pw_gid)
+    subprocess.run(_as_postgres([f"{PG_BIN}/initdb", "-D", str(folder / "data"), "-U", "cowtune", "-A",
+                                 "scram-sha-256", f"--pwfile={folder / 'pw'}", "--no-locale", "-E", "UTF8"]),
+                   check=True, capture_output=True)
+    port, log = free_port(), folder / "postgres.log"
+    proc = subprocess.Popen(_as_postgres([f"{PG_BIN}/postgres", "-D", str(folder / "data"), "-h", "127.0.0.1",
+                                          "-p", str(port), "-k", str(folder), "-c", "fsync=off"]),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    ready = [f"{PG_BIN}/pg_isready", "-h", "127.0.0.1", "-p", str(port)]
+    wait_until("PostgreSQL", lambda: subprocess.run(ready, capture_output=True).returncode == 0, proc, log)
+    return proc, port, folder
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server on loopback, once per session (skipped where Debian's package is not installed;
+    scripts/test.sh installs it): a function that creates a database and returns its SQLAlchemy URL."""
+    if PG_BIN is None:
+        pytest.skip("PostgreSQL's server is not installed (scripts/test.sh does)")
+    import psycopg2
+
+    password = os.urandom(12).hex()
+    proc, port, folder = start_postgres(password)
+
+    def database(name: str) -> str:
+        conn = psycopg2.connect(host="127.0.0.1", port=port, user="cowtune", password=password, dbname="postgres")
+        conn.autocommit = True
+        conn.cursor().execute(f"CREATE DATABASE {name}")
+        conn.close()
+        return f"postgresql+psycopg2://cowtune:{password}@127.0.0.1:{port}/{name}"
+
+    try:
+        yield database
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)   # PostgreSQL's fast shutdown (SIGTERM waits for every client to leave)
+        proc.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Kill the search driver mid-search (SIGKILL), run the same command again: it resumes, and every
 trial ends up in MLflow exactly once, with each epoch logged exactly once. A run whose trial Ray had
-not saved when the driver died (it starts that slot again under a new id) is ended as an orphan."""
+not saved when the driver died (it starts that slot again under a new id) is ended as an orphan. The Optuna study
+lives in PostgreSQL as on the team stack (where its server is installed, as scripts/test.sh does; else in the
+default SQLite file)."""
 import os
 import signal
 import subprocess
@@ -11,13 +13,22 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, run_search_script
+from conftest import PG_BIN, ROOT, run_search_script
 from trainables.search import tracking
 
 pytestmark = pytest.mark.slow
 
 
-def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, mlflow_server, tmp_path):
+@pytest.fixture
+def optuna_storage(request, tmp_path) -> str | None:
+    """The study's database: a fresh PostgreSQL one (the team stack's), or None (STORAGE/NAME.optuna.db)."""
+    return request.getfixturevalue("postgres")(f"resume_{tmp_path.name[-8:].lower()}") if PG_BIN else None
+
+
+def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, mlflow_server, optuna_storage,
+                                                                    tmp_path):
+    if optuna_storage:
+        search_env = {**search_env, "COWTUNE_OPTUNA_STORAGE": optuna_storage}
     args = ["--smoke-test", "--trials", "4", "--epochs", "3", "--set", "train.steps_per_epoch=12",
             "--name", "resume", "--storage", str(tmp_path / "ray")]
     client = MlflowClient(mlflow_server)
@@ -62,8 +73,11 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
         assert c.info.status == "FINISHED"
         steps = [m.step for m in client.get_metric_history(c.info.run_id, "val/error_teacher")]
         assert sorted(steps) == [1, 2, 3], (c.info.run_name, steps)       # nothing lost, nothing logged twice
-    # The Optuna study (its default database, STORAGE/NAME.optuna.db): each trial once, with its final error
-    study = optuna.load_study(study_name="resume", storage=f"sqlite:///{tmp_path / 'ray' / 'resume.optuna.db'}")
+    # The Optuna study: each trial once, with its final error
+    if optuna_storage:
+        assert "Optuna study postgresql+psycopg2://cowtune:***@127.0.0.1" in out.stdout
+    study = optuna.load_study(study_name="resume",
+                              storage=optuna_storage or f"sqlite:///{tmp_path / 'ray' / 'resume.optuna.db'}")
     histories = [{m.step: m.value for m in client.get_metric_history(c.info.run_id, "val/error_teacher")}
                  for c in children]
     done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]

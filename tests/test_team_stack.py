@@ -5,35 +5,20 @@ it, is checked with the MLflow and Optuna clients and the dashboard's API, then 
 web UIs are then looked at in headless Chromium (tests/ui_screens.py), screenshots in artifacts/screenshots/."""
 from __future__ import annotations
 
-import glob
 import json
 import os
-import pwd
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BIN, free_port, run_search_script, start_ray_node, stop_group, wait_ray
+from conftest import BIN, PG_BIN, free_port, run_search_script, start_ray_node, stop_group, wait_ray, wait_until
 from ui_screens import (MLFLOW_UI_STATE, check_png, mlflow_pages, needs_browser, optuna_pages, page_shows,
                         screenshots_dir)
 
-PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)
 pytestmark = pytest.mark.skipif(PG_BIN is None, reason="PostgreSQL's server is not installed (scripts/test.sh does)")
 NAME = "team-smoke"
-
-
-def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not ok():
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.5)
 
 
 def _answers(url: str) -> bool:
@@ -44,51 +29,18 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _as_postgres(cmd: list[str]) -> list[str]:
-    """PostgreSQL refuses to run as root: as root, run it as Debian's postgres user."""
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
-
-
-def start_postgres(password: str) -> tuple[subprocess.Popen, int, Path]:
-    folder = Path(tempfile.mkdtemp(prefix="cowtune-pg-"))   # not under pytest's root-only temp folders
-    (folder / "pw").write_text(password)
-    if os.geteuid() == 0:
-        user = pwd.getpwnam("postgres")
-        for p in (folder, folder / "pw"):
-            os.chown(p, user.pw_uid, user.pw_gid)
-    subprocess.run(_as_postgres([f"{PG_BIN}/initdb", "-D", str(folder / "data"), "-U", "cowtune", "-A",
-                                 "scram-sha-256", f"--pwfile={folder / 'pw'}", "--no-locale", "-E", "UTF8"]),
-                   check=True, capture_output=True)
-    port, log = free_port(), folder / "postgres.log"
-    proc = subprocess.Popen(_as_postgres([f"{PG_BIN}/postgres", "-D", str(folder / "data"), "-h", "127.0.0.1",
-                                          "-p", str(port), "-k", str(folder), "-c", "fsync=off"]),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    ready = [f"{PG_BIN}/pg_isready", "-h", "127.0.0.1", "-p", str(port)]
-    _wait("PostgreSQL", lambda: subprocess.run(ready, capture_output=True).returncode == 0, proc, log)
-    return proc, port, folder
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, ray_token_env):
+def stack(tmp_path_factory, ray_token_env, postgres):
     import optuna
-    import psycopg2
 
     tmp = tmp_path_factory.mktemp("team")
-    password = os.urandom(12).hex()
     procs = []
-    pg, pg_port, pg_folder = start_postgres(password)
-    procs.append(pg)
+    mlflow_db, optuna_db = postgres("mlflow"), postgres("optuna")
     try:
-        conn = psycopg2.connect(host="127.0.0.1", port=pg_port, user="cowtune", password=password, dbname="postgres")
-        conn.autocommit = True
-        for db in ("mlflow", "optuna"):
-            conn.cursor().execute(f"CREATE DATABASE {db}")
-        conn.close()
-        db_url = f"postgresql+psycopg2://cowtune:{password}@127.0.0.1:{pg_port}"
         port, log = free_port(), tmp / "mlflow.log"
         procs.append(subprocess.Popen(
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"{db_url}/mlflow", "--serve-artifacts", "--artifacts-destination",
+             "--backend-store-uri", mlflow_db, "--serve-artifacts", "--artifacts-destination",
              str(tmp / "mlartifacts")], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
         mlflow_uri = f"http://127.0.0.1:{port}"
         head_port, dash_port = free_port(), free_port()
@@ -98,25 +50,23 @@ def stack(tmp_path_factory, ray_token_env):
         procs.append(start_ray_node(tmp, ray_token_env, head_port=head_port, num_cpus=2))
         # optuna-dashboard opens the storage without creating Optuna's tables: they are made first (the compose
         # file's dashboard does the same before it starts)
-        optuna.storages.RDBStorage(f"{db_url}/optuna")
+        optuna.storages.RDBStorage(optuna_db)
         dash_log = tmp / "optuna-dashboard.log"
         procs.append(subprocess.Popen([str(BIN / "optuna-dashboard"), "--host", "127.0.0.1", "--port", str(dash_port),
-                                       f"{db_url}/optuna"], stdout=open(dash_log, "w"), stderr=subprocess.STDOUT,
+                                       optuna_db], stdout=open(dash_log, "w"), stderr=subprocess.STDOUT,
                                       start_new_session=True))
-        _wait("mlflow server", lambda: _answers(f"{mlflow_uri}/health"), procs[1], log)
-        _wait("optuna-dashboard", lambda: _answers(f"http://127.0.0.1:{dash_port}/api/studies"), procs[4], dash_log)
+        wait_until("mlflow server", lambda: _answers(f"{mlflow_uri}/health"), procs[0], log)
+        wait_until("optuna-dashboard", lambda: _answers(f"http://127.0.0.1:{dash_port}/api/studies"), procs[3],
+                   dash_log)
         wait_ray(f"127.0.0.1:{head_port}", 2, ray_token_env)
         env = {**os.environ, **ray_token_env, "MLFLOW_TRACKING_URI": mlflow_uri, "RAY_ADDRESS": f"127.0.0.1:{head_port}",
-               "COWTUNE_OPTUNA_STORAGE": f"{db_url}/optuna", "PYTHONUNBUFFERED": "1",
+               "COWTUNE_OPTUNA_STORAGE": optuna_db, "PYTHONUNBUFFERED": "1",
                "COWTUNE_CACHE": str(tmp / "cache")}
-        yield {"env": env, "tmp": tmp, "mlflow": mlflow_uri, "optuna": f"{db_url}/optuna",
+        yield {"env": env, "tmp": tmp, "mlflow": mlflow_uri, "optuna": optuna_db,
                "dashboard": f"http://127.0.0.1:{dash_port}", "storage": tmp / "ray_results"}
     finally:
-        for proc in reversed(procs[1:]):
+        for proc in reversed(procs):
             stop_group(proc, timeout=10)
-        os.killpg(pg.pid, signal.SIGINT)   # PostgreSQL's fast shutdown (SIGTERM waits for every client to leave)
-        pg.wait(30)
-        shutil.rmtree(pg_folder, ignore_errors=True)
 
 
 def _search(stack: dict, trials: int) -> subprocess.CompletedProcess:
