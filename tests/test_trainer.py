@@ -274,6 +274,35 @@ def test_running_out_of_memory_stops_the_run_in_one_line_naming_what_to_lower(tm
     assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "result.json").exists()
 
 
+GPU_CAPPED = """import sys, torch
+from trainables.cli import main
+torch.cuda.set_per_process_memory_fraction(2**30 / torch.cuda.get_device_properties(0).total_memory)   # 1 GiB
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_running_out_of_gpu_memory_stops_the_run_in_one_line(tmp_path):
+    """The same on a GPU, on the default fast path (compiled, CUDA graphs): PyTorch's allocator capped at 1 GiB of
+    the device, a WRN-28-2 batch of 4096 needs several. One line naming cuda, the epoch and the batch size."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sets = ["model=wrn28_2", "data.dataset=digits", "data.n_val=200", "data.n_labeled=50", "data.eval_split=val",
+            "train.batch_size=4096", "train.steps_per_epoch=2", "train.epochs=1", "train.tune_kernels=false"]
+    out = subprocess.run([sys.executable, "-c", GPU_CAPPED, "train", "cifar10_cowmix", "--out", str(tmp_path / "run"),
+                          *[a for s in sets for a in ("--set", s)]],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.strip().splitlines() if x.startswith("cowtune")] or [out.stderr[-3000:]]
+    assert re.fullmatch(r"cowtune: error: out of memory on cuda(:0)? in epoch 1 \(training: .*\); the run stopped: "
+                        r"lower train\.batch_size \(4096\), or choose a smaller model than wrn28_2; trials packed on "
+                        r"one GPU share its memory \(the search's GPUs per trial\)", line), out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) <= 3, out.stderr[-3000:]   # no traceback (a warning or two at most)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "result.json").exists()
+
 def test_a_checkpoint_written_before_a_config_field_existed_still_resumes(digits, tmp_path):
     """A run checkpointed by an older cowtune (its config lacks data.unreadable, added since) resumes: the new
     field's default is what it ran with; a field that really differs is still refused."""
