@@ -23,6 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# MLflow's server starts four job-runner processes (its GenAI jobs, unused here) unless told not to: on 2 cores each
+# start of a server would otherwise import mlflow five times over
+MLFLOW_SERVER_ENV = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)   # Debian's server
 
 
@@ -113,7 +116,7 @@ def start_mlflow_server(tmp: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp, env=MLFLOW_SERVER_ENV)
     deadline = time.time() + 120
     while True:
         try:
