@@ -10,8 +10,9 @@ single process would draw, and worker ``rank`` of ``world`` trains on its ``trai
   set (the paper presets' 32), in groups of ``bn_batch`` inside each worker's slice, exactly as on one GPU;
 * the mix partner is rolled within each worker's slice (the authors' per-device roll), and each worker draws its
   own masks (one random stream per worker);
-* DDP averages the gradients every step, so the students stay identical and so do the teachers (the EMA of
-  identical weights; DDP broadcasts rank 0's batch-norm buffers). ``replica_spread`` (0 when in sync) checks it.
+* the gradients and the batch-norm running statistics are averaged over the workers every step, before the update
+  (``GradientMean``, one all-reduce inside the step, so the whole step stays one CUDA graph as on one GPU): the
+  students stay identical and so do the teachers. ``replica_spread`` (0 when in sync) checks it.
 
 Nothing here imports Ray: ``trainables/search/ddp.py`` launches the workers with Ray Train in ``cowtune final``;
 ``launch_local`` starts them as local processes (``benchmarks/data_parallel_epoch.py`` and the tests).
@@ -33,25 +34,21 @@ from trainables import metrics as M
 from trainables.config import TrainConfig, check_batch_split
 from trainables.data import prepare_data
 from trainables.data.batches import TrainData
-from trainables.fast.fast_conv import apply_conv_kernels
 from trainables.legacy_checkpoints import upgrade_optimizer_state
-from trainables.models import create_model
-from trainables.optim import make_optimizer
-from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner, evaluate
-from trainables.trainer import train_epoch
+from trainables.trainer import build_runner, choose_convolutions, train_epoch
 
 MASK_STREAM_STRIDE = 7919   # worker r draws its masks from stream seed + 7919 r (worker 0: the run's own)
 
 
 @dataclass
 class Replica:
-    """What one worker holds: its data (every image, on its device), its student (wrapped in DDP) and teacher."""
+    """What one worker holds: its data (every image, on its device), its student, teacher and step."""
     cfg: TrainConfig
     rank: int
     world: int
     data: TrainData
-    student: nn.Module              # the plain module (checkpoints, the spread check); ``runner`` holds the DDP wrap
+    student: nn.Module
     teacher: nn.Module
     optimizer: torch.optim.Optimizer
     runner: StepRunner
@@ -62,28 +59,44 @@ class Replica:
 
 def build_replica(cfg: TrainConfig, rank: int, world: int, device: torch.device,
                   state: dict[str, Any] | None = None) -> Replica:
-    """This worker's replica, from ``cfg.seed`` (every worker builds the same weights) or from ``state``."""
+    """This worker's replica, from ``cfg.seed`` (every worker builds the same weights) or from ``state``: the
+    one-GPU runner (``trainer.build_runner``: the whole step in one CUDA graph where ``train.cuda_graph`` asks), whose
+    step averages the gradients over the workers before each update (``GradientMean``)."""
     check_batch_split(cfg, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)   # NCCL's collectives and the CUDA graphs on this worker's GPU
+    choose_convolutions(cfg, device)
     data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
-    torch.manual_seed(cfg.seed)
-    student = create_model(cfg.model, data.num_classes).to(device)
-    apply_conv_kernels(student, cfg.train.conv_kernels, "model", device)   # DDP steps: graphs per model pass
-    if cfg.train.channels_last and device.type == "cuda":
-        student = student.to(memory_format=torch.channels_last)   # as one GPU (trainer.build_runner)
-    teacher = make_teacher(student)
-    optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
-    base_lr, start = optimizer.param_groups[0]["lr"], 0   # before a checkpoint's last scheduled LR replaces it
+    runner = build_runner(cfg, data.num_classes, device, grad_sync=GradientMean(world))
+    base_lr, start = runner.optimizer.param_groups[0]["lr"], 0   # before a checkpoint's last LR replaces it
     if state is not None:
-        student.load_state_dict(state["student"]), teacher.load_state_dict(state["teacher"])
-        optimizer.load_state_dict(upgrade_optimizer_state(state["optimizer"], state["student"], student))
+        runner.student.load_state_dict(state["student"]), runner.teacher.load_state_dict(state["teacher"])
+        runner.optimizer.load_state_dict(upgrade_optimizer_state(state["optimizer"], state["student"], runner.student))
         start = state["epoch"]
-    wrapped = nn.parallel.DistributedDataParallel(student, device_ids=[device.index] if device.type == "cuda" else None)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    runner = StepRunner(cfg, wrapped, teacher, optimizer, device, bf16)
     steps = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
-    return Replica(cfg, rank, world, data, student, teacher, optimizer, runner, base_lr, steps, start)
+    return Replica(cfg, rank, world, data, runner.student, runner.teacher, runner.optimizer, runner, base_lr, steps,
+                   start)
+
+
+class GradientMean:
+    """A worker's step hook (``StepRunner(grad_sync=...)``): after the backward pass, before the update, the
+    student's gradients and batch-norm running statistics are averaged over the workers in one all-reduce of one
+    flat buffer. Every worker then applies the whole batch's gradient and keeps the same statistics, so the
+    students, and the teachers (their EMA), stay identical. Plain tensor operations and one collective: a captured
+    step (``trainables.fast.step_graph``) captures them with the rest (NCCL collectives can be captured)."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    @torch.no_grad()
+    def __call__(self, student: nn.Module) -> None:
+        tensors = [p.grad for p in student.parameters() if p.grad is not None]
+        tensors += [b for b in student.buffers() if b.is_floating_point()]   # running means and variances
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        flat.div_(self.world)
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view(t.shape))
 
 
 def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
@@ -97,7 +110,7 @@ def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
         err, loss = _sharded_eval(model, rep.data.eval_batches(split, cfg.train.eval_batch_size), rep)
         metrics[M.eval_key(split, "error", name)], metrics[M.eval_key(split, "loss", name)] = err, loss
     metrics["world_size"] = rep.world
-    metrics["replica_spread"] = _replica_spread(rep.student)
+    metrics["replica_spread"] = _replica_spread(rep)
     return metrics
 
 
@@ -123,9 +136,11 @@ def _mean_over_workers(metrics: dict[str, float]) -> dict[str, float]:
     return {k: float(v) / dist.get_world_size() for k, v in zip(keys, values.tolist())}
 
 
-def _replica_spread(student: nn.Module) -> float:
-    """max - min over workers of the sum of the student's weights: 0.0 while DDP keeps them identical."""
-    sums = torch.stack([p.detach().double().sum() for p in student.parameters()]).sum().reshape(1)   # no host sync
+def _replica_spread(rep: Replica) -> float:
+    """max - min over workers of the sum of the student's weights and the teacher's weights and statistics: 0.0
+    while the workers stay identical."""
+    tensors = [*rep.student.parameters(), *(t for t in rep.teacher.state_dict().values() if t.is_floating_point())]
+    sums = torch.stack([t.detach().double().sum() for t in tensors]).sum().reshape(1)   # no host sync
     sums = sums.to(_collective_device())
     gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from types import MappingProxyType
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -228,9 +229,12 @@ class StepRunner:
     extra_inductor_options: dict[str, object] = {}
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
-                 optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool):
+                 optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool,
+                 grad_sync: Callable[[nn.Module], None] | None = None):
+        """``grad_sync``: called with the student after the backward pass, before the update (a data-parallel
+        worker's all-reduce of the gradients: ``trainables.data_parallel.GradientMean``); inside a captured step too."""
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
-        self.device, self.bf16 = device, bf16
+        self.device, self.bf16, self.grad_sync = device, bf16, grad_sync
         set_ghost_batch(student, cfg.train.bn_batch)   # training-mode statistics only: the teacher is always in eval
         self.pairs = EmaPairs(teacher, student)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
@@ -301,7 +305,8 @@ class StepRunner:
         self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
         # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
         self.update_parts = split_update(optimizer, self.pairs, student) \
-            if self.update_in_parts and self.wgrad_stream and self.step_graph is not None else None
+            if self.update_in_parts and self.wgrad_stream and self.step_graph is not None and grad_sync is None \
+            else None   # (an all-reduce needs every gradient before any update)
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
         # {time/first_step_s, time/compile_wait_s} once the first step (compilation, cuDNN tuning, capture) ran
@@ -394,7 +399,7 @@ class StepRunner:
     @property
     def compile_locked(self) -> bool:
         """Whether this runner's first step compiles under the machine's first-compile lock."""
-        return self.compiled and self.device.type == "cuda" \
+        return self.compiled and self.device.type == "cuda" and self.grad_sync is None \
             and not isinstance(self.student, nn.parallel.DistributedDataParallel)
 
     def compile_key(self, batch: Batch) -> str:
@@ -434,6 +439,8 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         with backward_on_side(self.wgrad_stream, self.device):   # joined when it ends
             loss.backward()
+        if self.grad_sync is not None:
+            self.grad_sync(self.student)
         self.optimizer.step()
         if self.ema_compiled:
             self.ema(self.pairs, *(torch.full((), v, device=self.device) for v in (alpha, ema_weight(alpha))))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from trainables import checkpoints
 from trainables import metrics as M
@@ -210,15 +211,22 @@ def setup_device(cfg: TrainConfig) -> torch.device:
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    choose_convolutions(cfg, device)
+    return device
+
+
+def choose_convolutions(cfg: TrainConfig, device: torch.device) -> None:
+    """cuDNN's algorithm choice as ``cfg`` asks: deterministic, or the fastest of all it has on a GPU."""
     if cfg.train.deterministic:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     elif device.type == "cuda":
         autotune_convolutions()
-    return device
 
 
-def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> StepRunner:
-    """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them."""
+def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
+                 grad_sync: Callable[[nn.Module], None] | None = None) -> StepRunner:
+    """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them (``grad_sync``: a
+    data-parallel worker's, ``StepRunner``'s)."""
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
     apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
@@ -228,7 +236,7 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device) -> St
     teacher = make_teacher(student)
     optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    return StepRunner(cfg, student, teacher, optimizer, device, bf16)
+    return StepRunner(cfg, student, teacher, optimizer, device, bf16, grad_sync)
 
 
 def check_names(cfg: TrainConfig) -> None:

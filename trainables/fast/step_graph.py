@@ -81,6 +81,8 @@ class StepGraph:
             if parts is not None:
                 self._update(r, parts[0])
         if parts is None:
+            if r.grad_sync is not None:   # a data-parallel worker's all-reduce, captured with the step
+                r.grad_sync(r.student)
             r.optimizer.step()
             r.ema(r.pairs, self.alpha, self.weight)
         else:
