@@ -35,25 +35,34 @@ def _env(cache: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def _trial_counters(cache: Path, out: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", TRIAL, json.dumps(CONFIG), str(out)], env=_env(cache),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(next(line[9:] for line in r.stdout.splitlines() if line.startswith("COUNTERS ")))
+def _start_trial(cache: Path, out: Path) -> tuple[subprocess.Popen, Path]:
+    out.mkdir(parents=True)
+    log = out.parent / f"{out.name}.log"   # a file, not a pipe: nothing blocks while the test waits on another
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-c", TRIAL, json.dumps(CONFIG), str(out)], env=_env(cache),
+                                stdout=f, stderr=subprocess.STDOUT, text=True), log
+
+
+def _trial_counters(started: tuple[subprocess.Popen, Path]) -> dict:
+    proc, log = started
+    assert proc.wait(600) == 0, log.read_text()[-3000:]
+    return json.loads(next(line[9:] for line in log.read_text().splitlines() if line.startswith("COUNTERS ")))
 
 
 def test_a_trial_after_compile_ahead_loads_every_graph(tmp_path):
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(CONFIG))
+    # the control, meanwhile, on caches of its own: without compile ahead, the same trial compiles from scratch
+    # (so the check below can tell the two apart)
+    alone = _start_trial(tmp_path / "empty", tmp_path / "trial2")
     r = subprocess.run([sys.executable, "-m", "trainables.fast.compile_ahead", str(cfg_file)], env=_env(tmp_path),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile ahead: compiled the cnn_tiny cowmix step (first step" in r.stdout
-    after = _trial_counters(tmp_path, tmp_path / "trial")
+    after = _trial_counters(_start_trial(tmp_path, tmp_path / "trial"))
     assert after["fx"].get("fxgraph_cache_hit", 0) >= 2 and "fxgraph_cache_miss" not in after["fx"]   # student, teacher
     assert after["aot"].get("autograd_cache_hit", 0) >= 2 and "autograd_cache_miss" not in after["aot"]
-    # without it, the same trial compiles from scratch: the check above can tell the two apart
-    alone = _trial_counters(tmp_path / "empty", tmp_path / "trial2")
+    alone = _trial_counters(alone)
     assert alone["fx"].get("fxgraph_cache_miss", 0) >= 2 and "fxgraph_cache_hit" not in alone["fx"]
 
 

@@ -192,18 +192,22 @@ def test_an_unreachable_tracking_server_is_one_line_within_seconds(tmp_path):
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)                      # connections queue up; nothing ever reads or answers them
     try:
+        started = []   # the four commands at once (each mostly waits)
         for uri in (f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"):
             env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
             env.pop("RAY_ADDRESS", None)
             for cmd in ([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
                          "--storage", str(tmp_path / "ray")],
                         [*COWTUNE, "promote", "--search", "x", "--out", str(tmp_path / "p.yaml")]):
-                t0 = time.monotonic()
-                out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-                assert out.returncode == 2, out.stdout[-1500:] + out.stderr[-1500:]
-                assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer within 5 s" in out.stderr
-                assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
-                assert time.monotonic() - t0 < 60
+                proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+                started.append((uri, proc, time.monotonic()))
+        for uri, proc, t0 in started:
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 2, stdout[-1500:] + stderr[-1500:]
+            assert f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) did not answer within 5 s" in stderr
+            assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+            assert time.monotonic() - t0 < 60
         assert not (tmp_path / "ray").exists() and not (tmp_path / "p.yaml").exists()
     finally:
         silent.close()
@@ -226,24 +230,23 @@ def test_a_trial_whose_loss_goes_nan_fails_with_its_reason_and_the_search_ends(s
 def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlflow_server, tmp_path):
     """A path that is a file, or lies under one, as --out or --storage: one line, exit status 2, before any
     training, Ray or registry change (promote moved the alias before it failed to write, once)."""
-    tmp = search[0]
-    blocker = tmp_path / "a-file"
+    blocker = tmp_path / "a-file"   # (the `search` fixture made the registered model e2e)
     blocker.write_text("x")
     client = MlflowClient(mlflow_server)
     before = [(v.version, v.aliases) for v in client.search_model_versions("name='e2e'")]
-
-    def refused(cmd, message):
-        out = subprocess.run(cmd, env=search_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-
-    refused([*COWTUNE, "promote", "--search", "e2e", "--out", str(blocker / "p.yaml")],
-            f"--out {blocker / 'p.yaml'} lies under the file {blocker}")
-    refused([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp_path)], f"--out {tmp_path} is a folder")
+    cases = [([*COWTUNE, "promote", "--search", "e2e", "--out", str(blocker / "p.yaml")],
+              f"--out {blocker / 'p.yaml'} lies under the file {blocker}"),
+             ([*COWTUNE, "promote", "--search", "e2e", "--out", str(tmp_path)], f"--out {tmp_path} is a folder"),
+             ([*COWTUNE, "final", "--config", str(blocker), "--datasets", "digits=x", "--out", str(blocker / "t")],
+              f"--out {blocker / 't'} lies under the file {blocker}"),
+             ([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test", "--storage",
+               str(blocker)], f"--storage {blocker} is a file")]
+    started = [(subprocess.Popen(cmd, env=search_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True), message) for cmd, message in cases]   # at once: each mostly imports
+    for proc, message in started:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2 and message in stderr and "Traceback" not in stderr, stderr[-2000:]
     assert [(v.version, v.aliases) for v in client.search_model_versions("name='e2e'")] == before
-    refused([*COWTUNE, "final", "--config", str(blocker), "--datasets", "digits=x", "--out", str(blocker / "t")],
-            f"--out {blocker / 't'} lies under the file {blocker}")
-    refused([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test", "--storage",
-             str(blocker)], f"--storage {blocker} is a file")
 
 
 def test_embedded_defaults_local_ray_sqlite_and_artifacts_under_cwd(tmp_path):
