@@ -100,6 +100,10 @@ def test_a_killed_trial_worker_is_retried_from_its_checkpoint_to_the_undisturbed
               "--no-compile-ahead"]
     client = MlflowClient(mlflow_server)
     killed_pid = None
+    script = str(ROOT / "search_spaces" / "cifar10_cowmix.py")
+    with open(tmp_path / "ref.log", "w") as ref_log:   # the undisturbed reference, meanwhile (the same seed)
+        ref = subprocess.Popen([sys.executable, script, *common, "--name", "wref", "--storage", str(tmp_path / "ray")],
+                               env=search_env, cwd=tmp_path, stdout=ref_log, stderr=subprocess.STDOUT)
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), *common,
                                  "--name", "wkill", "--storage", str(tmp_path / "ray")],
@@ -117,12 +121,11 @@ def test_a_killed_trial_worker_is_retried_from_its_checkpoint_to_the_undisturbed
         try:
             assert killed_pid is not None, "no epoch 2 before the search ended: " + (tmp_path / "killed.log").read_text()[-2000:]
             assert proc.wait(300) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+            assert ref.wait(300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
         finally:
-            proc.kill()
+            proc.kill(), ref.kill()
     out = (tmp_path / "killed.log").read_text()
     assert "done: 1 trials (0 failed)" in out and "Ray runs it again" in out    # the progress table said so
-    run_search_script("cifar10_cowmix.py", [*common, "--name", "wref", "--storage", str(tmp_path / "ray")],
-                      search_env, tmp_path)
 
     def trial(name: str):
         exp = client.get_experiment_by_name(name)
