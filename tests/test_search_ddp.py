@@ -53,6 +53,6 @@ def test_imagenet_final_runs_data_parallel_on_two_workers(search_env, mlflow_ser
     children = [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" in r.data.tags]
     assert len(children) == 1
     m = children[0].data.metrics
-    assert m["world_size"] == 2 and m["replica_spread"] == 0.0      # DDP kept the two replicas identical
+    assert m["world_size"] == 2 and m["replica_spread"] == 0.0      # the replicas stayed identical
     assert 0.0 <= m["test/error_teacher"] <= 1.0
     assert children[0].data.params["model"] == "resnet152" and children[0].data.params["data.n_labeled"] == "15"
