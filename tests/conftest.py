@@ -23,9 +23,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-# MLflow's server starts four job-runner processes (its GenAI jobs, unused here) unless told not to: on 2 cores each
-# start of a server would otherwise import mlflow five times over
-MLFLOW_SERVER_ENV = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)   # Debian's server
 
 
@@ -109,6 +106,12 @@ def wait_ray(address: str, nodes: int, auth: dict, timeout: float = 90) -> None:
     raise RuntimeError(f"Ray at {address} did not get {nodes} live nodes in {timeout}s")
 
 
+def mlflow_server_env() -> dict[str, str]:
+    """The environment for an `mlflow server`: without its four job-runner processes (MLflow's GenAI jobs, unused
+    here), which on 2 cores would import mlflow five times over at every start."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def start_mlflow_server(tmp: Path, port: int) -> subprocess.Popen:
     """A real MLflow tracking server (SQLite backend in ``tmp``, proxied artifacts) on 127.0.0.1:``port``, answering.
     Started again on the same folder and port, it serves the same runs."""
@@ -116,7 +119,7 @@ def start_mlflow_server(tmp: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp, env=MLFLOW_SERVER_ENV)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp, env=mlflow_server_env())
     deadline = time.time() + 120
     while True:
         try:

@@ -123,7 +123,8 @@ def test_a_killed_trial_worker_is_retried_from_its_checkpoint_to_the_undisturbed
             assert proc.wait(300) == 0, (tmp_path / "killed.log").read_text()[-3000:]
             assert ref.wait(300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
         finally:
-            proc.kill(), ref.kill()
+            proc.kill()
+            ref.kill()
     out = (tmp_path / "killed.log").read_text()
     assert "done: 1 trials (0 failed)" in out and "Ray runs it again" in out    # the progress table said so
 

@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import (BIN, MLFLOW_SERVER_ENV, PG_BIN, free_port, run_search_script, start_ray_node, stop_group,
-                      wait_ray, wait_until)
+from conftest import (BIN, PG_BIN, free_port, run_search_script, start_ray_node, stop_group,
+                      mlflow_server_env, wait_ray, wait_until)
 from ui_screens import (MLFLOW_UI_STATE, check_png, mlflow_pages, needs_browser, optuna_pages, page_shows,
                         screenshots_dir)
 
@@ -43,7 +43,7 @@ def stack(tmp_path_factory, ray_token_env, postgres):
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
              "--backend-store-uri", mlflow_db, "--serve-artifacts", "--artifacts-destination",
              str(tmp / "mlartifacts")], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-            env=MLFLOW_SERVER_ENV))
+            env=mlflow_server_env()))
         mlflow_uri = f"http://127.0.0.1:{port}"
         head_port, dash_port = free_port(), free_port()
         ray_temp = Path(f"/tmp/cowtune-ray-{head_port}")

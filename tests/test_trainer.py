@@ -303,6 +303,7 @@ def test_running_out_of_gpu_memory_stops_the_run_in_one_line(tmp_path):
     assert len(out.stderr.strip().splitlines()) <= 3, out.stderr[-3000:]   # no traceback (a warning or two at most)
     assert not (tmp_path / "run" / "checkpoint.pt").exists() and not (tmp_path / "run" / "result.json").exists()
 
+
 def test_a_checkpoint_written_before_a_config_field_existed_still_resumes(digits, tmp_path):
     """A run checkpointed by an older cowtune (its config lacks data.unreadable, added since) resumes: the new
     field's default is what it ran with; a field that really differs is still refused."""

@@ -48,10 +48,7 @@ class Replica:
     rank: int
     world: int
     data: TrainData
-    student: nn.Module
-    teacher: nn.Module
-    optimizer: torch.optim.Optimizer
-    runner: StepRunner
+    runner: StepRunner              # its student, teacher and optimizer
     base_lr: float
     steps: int
     start: int                      # the first epoch to run (a checkpoint's epoch when resumed)
@@ -74,8 +71,7 @@ def build_replica(cfg: TrainConfig, rank: int, world: int, device: torch.device,
         runner.optimizer.load_state_dict(upgrade_optimizer_state(state["optimizer"], state["student"], runner.student))
         start = state["epoch"]
     steps = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
-    return Replica(cfg, rank, world, data, runner.student, runner.teacher, runner.optimizer, runner, base_lr, steps,
-                   start)
+    return Replica(cfg, rank, world, data, runner, base_lr, steps, start)
 
 
 class GradientMean:
@@ -106,7 +102,7 @@ def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
                           stream=cfg.seed + MASK_STREAM_STRIDE * rep.rank, shard=(rep.rank, rep.world))
     metrics = _mean_over_workers(metrics)   # each worker's losses are its slice's: the whole batch's are their mean
     split = cfg.data.eval_split
-    for name, model in (("teacher", rep.teacher), ("student", rep.student)):
+    for name, model in (("teacher", rep.runner.teacher), ("student", rep.runner.student)):
         err, loss = _sharded_eval(model, rep.data.eval_batches(split, cfg.train.eval_batch_size), rep)
         metrics[M.eval_key(split, "error", name)], metrics[M.eval_key(split, "loss", name)] = err, loss
     metrics["world_size"] = rep.world
@@ -116,8 +112,9 @@ def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
 
 def state_dict(rep: Replica, epoch: int) -> dict[str, Any]:
     """What resumes the run after ``epoch`` epochs (tensors and plain values only: it loads with weights_only)."""
-    return {"epoch": epoch, "student": rep.student.state_dict(), "teacher": rep.teacher.state_dict(),
-            "optimizer": rep.optimizer.state_dict(), "config": rep.cfg.to_dict()}
+    r = rep.runner
+    return {"epoch": epoch, "student": r.student.state_dict(), "teacher": r.teacher.state_dict(),
+            "optimizer": r.optimizer.state_dict(), "config": rep.cfg.to_dict()}
 
 
 def _sharded_eval(model: nn.Module, batches: Any, rep: Replica) -> tuple[float, float]:
@@ -139,7 +136,8 @@ def _mean_over_workers(metrics: dict[str, float]) -> dict[str, float]:
 def _replica_spread(rep: Replica) -> float:
     """max - min over workers of the sum of the student's weights and the teacher's weights and statistics: 0.0
     while the workers stay identical."""
-    tensors = [*rep.student.parameters(), *(t for t in rep.teacher.state_dict().values() if t.is_floating_point())]
+    r = rep.runner
+    tensors = [*r.student.parameters(), *(t for t in r.teacher.state_dict().values() if t.is_floating_point())]
     sums = torch.stack([t.detach().double().sum() for t in tensors]).sum().reshape(1)   # no host sync
     sums = sums.to(_collective_device())
     gathered = [torch.zeros_like(sums) for _ in range(dist.get_world_size())]

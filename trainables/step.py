@@ -242,8 +242,6 @@ class StepRunner:
         compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
         mode = cfg.train.compile_mode if device.type == "cuda" else "default"
         self.cuda_graph = cfg.train.cuda_graph if device.type == "cuda" else "none"
-        if self.cuda_graph == "step" and isinstance(student, nn.parallel.DistributedDataParallel):
-            self.cuda_graph = "model"   # DDP's gradient all-reduce is not captured: graphs per model pass only
         if self.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
             mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
         # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
@@ -399,8 +397,7 @@ class StepRunner:
     @property
     def compile_locked(self) -> bool:
         """Whether this runner's first step compiles under the machine's first-compile lock."""
-        return self.compiled and self.device.type == "cuda" and self.grad_sync is None \
-            and not isinstance(self.student, nn.parallel.DistributedDataParallel)
+        return self.compiled and self.device.type == "cuda" and self.grad_sync is None
 
     def compile_key(self, batch: Batch) -> str:
         """What this step's compiled graphs depend on, as the first-compile lock names it."""
