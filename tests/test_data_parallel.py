@@ -79,3 +79,37 @@ def test_cowmix_on_two_workers_keeps_the_replicas_identical_and_learns(tmp_path)
     assert all(m["train/loss_mix"] >= 0 for m in history)
     assert history[-1]["train/loss_sup"] < history[0]["train/loss_sup"] - 0.5   # here 2.22 -> 1.46
     assert history[-1]["val/error_student"] < 0.8    # ten classes: chance is 0.9 (here 0.58)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device machine)")
+def test_two_gpu_workers_capture_the_all_reduce_in_the_step_graph_and_exit(tmp_path):
+    """On 2 GPUs (NCCL) each worker's whole step is one CUDA graph holding the gradient all-reduce; the replicas
+    stay identical, and the workers exit: a graph that captured an NCCL collective must be freed before the process
+    group is destroyed, or ncclCommDestroy waits forever (pytorch/pytorch#115388). Run in a child process with a
+    time limit so that a hang fails the test instead of blocking the suite."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = _config("cowmix", lr=2.0, epochs=2, steps_per_epoch=6, device="cuda", cuda_graph="step",
+                  precision="fp32", threads=None)
+    script = ("import json, sys; from pathlib import Path; from trainables.config import TrainConfig; "
+              "from trainables.data_parallel import launch_local\n"
+              "if __name__ == '__main__':\n"
+              "    h = launch_local(TrainConfig.from_dict(json.loads(sys.argv[1])), 2, Path(sys.argv[2]))\n"
+              "    print(json.dumps(h[-1]))")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(cfg.to_dict()), str(tmp_path / "run")],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the launcher and its two workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the 2-GPU run did not exit in 300 s; metrics written: {(tmp_path / 'run' / 'metrics.jsonl').exists()}")
+    assert proc.returncode == 0, stderr[-3000:]
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert last["replica_spread"] == 0.0 and last["world_size"] == 2 and last["epoch"] == 2

@@ -177,6 +177,7 @@ def _local_worker(rank: int, world: int, config: dict[str, Any], out: str, epoch
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{folder / 'rendezvous'}",
                             rank=rank, world_size=world)
+    rep = None
     try:
         state = torch.load(folder / "state.pt", map_location=device, weights_only=True) if resume else None
         rep = build_replica(cfg, rank, world, device, state)
@@ -192,4 +193,6 @@ def _local_worker(rank: int, world: int, config: dict[str, Any], out: str, epoch
                     f.write(json.dumps({k: float(v) for k, v in metrics.items()}) + "\n")
             dist.barrier()
     finally:
+        if rep is not None:
+            rep.runner.release_graphs()   # else destroying the group waits forever for the captured all-reduce
         dist.destroy_process_group()

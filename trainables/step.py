@@ -394,6 +394,12 @@ class StepRunner:
         else:
             self._step(batch, gen, lr, alpha)
 
+    def release_graphs(self) -> None:
+        """Frees the whole-step CUDA graph, if captured (the next step captures again): before a data-parallel
+        worker's process group is destroyed (``StepGraph.release``)."""
+        if self.step_graph is not None:
+            self.step_graph.release()
+
     @property
     def compile_locked(self) -> bool:
         """Whether this runner's first step compiles under the machine's first-compile lock."""

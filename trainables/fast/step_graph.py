@@ -72,6 +72,15 @@ class StepGraph:
         self.graph.replay()
         r.count += 1
 
+    def release(self) -> None:
+        """Frees the captured graph (a later step captures again). A data-parallel worker calls it before its NCCL
+        process group is destroyed: ncclCommDestroy waits forever while a graph that captured one of the group's
+        collectives lives (pytorch/pytorch#115388; measured on 2 H200s: the worker hung at exit)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None
+
     def _body(self, r: Any, gen: torch.Generator) -> None:
         loss, stats = r.losses(self.inputs, gen)
         parts = r.update_parts

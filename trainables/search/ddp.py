@@ -35,14 +35,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             state = torch.load(Path(d) / STATE, map_location=device, weights_only=True)   # no code from the file
     rep = build_replica(cfg, rank, world, device, state)
     run = _trial_run(config.get("tracking"), cfg, rep.data) if rank == 0 else None
-    for epoch in range(rep.start, cfg.train.epochs):
-        metrics = run_epoch(rep, epoch)
-        if run is not None:
-            run.log_epoch(epoch + 1, metrics)
-        with tempfile.TemporaryDirectory() as d:
-            if rank == 0:
-                torch.save(state_dict(rep, epoch + 1), Path(d) / STATE)
-            ray_train.report(metrics, checkpoint=ray_train.Checkpoint.from_directory(d) if rank == 0 else None)
+    try:
+        for epoch in range(rep.start, cfg.train.epochs):
+            metrics = run_epoch(rep, epoch)
+            if run is not None:
+                run.log_epoch(epoch + 1, metrics)
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save(state_dict(rep, epoch + 1), Path(d) / STATE)
+                ray_train.report(metrics, checkpoint=ray_train.Checkpoint.from_directory(d) if rank == 0 else None)
+    finally:
+        rep.runner.release_graphs()   # Ray Train destroys the process group next: not while a graph holds NCCL
     if run is not None:
         run.finish("FINISHED")
         shutil.rmtree(run.out_dir, ignore_errors=True)
