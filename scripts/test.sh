@@ -36,4 +36,5 @@ fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1
 fi
-exec .venv/bin/python -m pytest -q --durations=30 "$@"
+# Two workers: the tests that use services on one (tests/conftest.py groups them), the rest on either.
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=30 "$@"

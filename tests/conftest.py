@@ -28,6 +28,21 @@ PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True))
 
 _GIVEN_PORTS: set[int] = set()
 
+# The suite runs on two pytest-xdist workers (scripts/test.sh: -n 2 --dist loadgroup). Every test that starts or
+# reaches a service (Ray, MLflow, PostgreSQL, sshd, a search or final run) is in one group, so it runs on one worker,
+# one at a time as before, and the session's services start once; the other worker meanwhile takes the tests that
+# only compute (learning runs, kernels in the interpreter, data-parallel workers over gloo).
+SERVICE_MODULES = {"test_bad_inputs", "test_cli", "test_cluster", "test_compose", "test_search", "test_search_asha",
+                   "test_search_ddp", "test_search_progress", "test_search_resume", "test_search_summary",
+                   "test_team_stack", "test_tracking_outage"}
+SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: Ray Tune inside
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SERVICE_MODULES or item.originalname in SERVICE_TESTS:
+            item.add_marker(pytest.mark.xdist_group("services"))
+
 
 def import_for_triton(module: str, interpreted: bool):
     """``module`` (re)imported with its Triton kernels defined for Triton's interpreter (CPU tensors) or its compiler.
