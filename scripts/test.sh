@@ -36,8 +36,8 @@ fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1
 fi
-# Two workers: the tests that use services on one (tests/conftest.py groups them), the rest on either. Threads
+# Two workers, a module whole on one, the tests that use the shared services one at a time (tests/conftest.py). Threads
 # waiting at an OpenMP barrier sleep instead of spinning: on 2 cores shared by two workers, spinning threads take
 # the core from the thread they wait for (a 67 s learning test took 615 s).
 export OMP_WAIT_POLICY=PASSIVE
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=30 "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadscope --durations=30 "$@"

@@ -6,6 +6,7 @@ by that group id at the end (never `ray stop`, which would stop every Ray node o
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import pwd
 import secrets
@@ -28,20 +29,32 @@ PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True))
 
 _GIVEN_PORTS: set[int] = set()
 
-# The suite runs on two pytest-xdist workers (scripts/test.sh: -n 2 --dist loadgroup). Every test that starts or
-# reaches a service (Ray, MLflow, PostgreSQL, sshd, a search or final run) is in one group, so it runs on one worker,
-# one at a time as before, and the session's services start once; the other worker meanwhile takes the tests that
-# only compute (learning runs, kernels in the interpreter, data-parallel workers over gloo).
-SERVICE_MODULES = {"test_bad_inputs", "test_cli", "test_cluster", "test_compose", "test_search", "test_search_asha",
-                   "test_search_ddp", "test_search_progress", "test_search_resume", "test_search_summary",
-                   "test_team_stack", "test_tracking_outage"}
-SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: Ray Tune inside
+# The suite runs on two pytest-xdist workers (scripts/test.sh: -n 2). Each test module runs whole on one worker
+# (its module fixtures start once), and every test that starts or reaches the shared services (the session's Ray
+# head, MLflow server and PostgreSQL) or a local Ray of its own (a search with embedded defaults) is in one scope,
+# so those run one at a time on one worker, as in a serial run. The cluster and team-stack tests start their own
+# Ray nodes on free ports and temporary folders, so they may run beside them.
+SERVICE_MODULES = {"test_bad_inputs", "test_cli", "test_compose", "test_search", "test_search_asha", "test_search_ddp",
+                   "test_search_progress", "test_search_resume", "test_search_summary", "test_tracking_outage"}
+SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: a local Ray inside
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SERVICE_MODULES or item.originalname in SERVICE_TESTS:
-            item.add_marker(pytest.mark.xdist_group("services"))
+def xdist_scope(nodeid: str) -> str:
+    """The xdist scope of a test: ``services`` or its module's path."""
+    module, _, name = nodeid.partition("::")
+    stem = module.rsplit("/", 1)[-1].removesuffix(".py")
+    return "services" if stem in SERVICE_MODULES or name.split("[")[0] in SERVICE_TESTS else module
+
+
+if importlib.util.find_spec("xdist"):
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByScope(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return xdist_scope(nodeid)
+
+        return ByScope(config, log)
 
 
 def import_for_triton(module: str, interpreted: bool):
