@@ -34,7 +34,7 @@ _GIVEN_PORTS: set[int] = set()
 # head, MLflow server and PostgreSQL) or a local Ray of its own (a search with embedded defaults) is in one scope,
 # so those run one at a time on one worker, as in a serial run. The cluster and team-stack tests start their own
 # Ray nodes on free ports and temporary folders, so they may run beside them.
-SERVICE_MODULES = {"test_bad_inputs", "test_cli", "test_compose", "test_search", "test_search_asha", "test_search_ddp",
+SERVICE_MODULES = {"test_bad_inputs", "test_compose", "test_search", "test_search_asha", "test_search_ddp",
                    "test_search_progress", "test_search_resume", "test_search_summary", "test_tracking_outage"}
 SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: a local Ray inside
 
@@ -44,6 +44,20 @@ def xdist_scope(nodeid: str) -> str:
     module, _, name = nodeid.partition("::")
     stem = module.rsplit("/", 1)[-1].removesuffix(".py")
     return "services" if stem in SERVICE_MODULES or name.split("[")[0] in SERVICE_TESTS else module
+
+
+SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # the session fixtures of one server each
+OWN_NODES = {"test_cluster", "test_team_stack"}   # start their own Ray nodes; may share only PostgreSQL/MLflow fixtures
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keeps the rule above: a test that uses a shared service outside the ``services`` scope would run beside the
+    others on a second worker, with a second set of servers and a local Ray that may collide with theirs."""
+    for item in items:
+        used = sorted(SHARED_SERVICES & set(getattr(item, "fixturenames", ())))
+        if used and xdist_scope(item.nodeid) != "services" and item.module.__name__.rsplit(".", 1)[-1] not in OWN_NODES:
+            raise pytest.UsageError(f"{item.nodeid} uses the shared {', '.join(used)}: add its module to "
+                                    f"SERVICE_MODULES in tests/conftest.py")
 
 
 if importlib.util.find_spec("xdist"):
