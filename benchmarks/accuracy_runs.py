@@ -153,7 +153,9 @@ def _plan_mix_gate(epochs: int) -> dict[str, list[str]]:
                                ("alpha99", ["teacher.alpha=0.99"]))}
 
 
-PLANS = {"mix_gate": (_plan_mix_gate, 300), "box_methods": (_plan_box_methods, 300), "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0), "paper_order": (_plan_paper_order, 300),
+PLANS = {"mix_gate": (_plan_mix_gate, 300), "box_methods": (_plan_box_methods, 300),
+         "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0),
+         "paper_order": (_plan_paper_order, 300),
          "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60),
          "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
          "wrn28_2_full": (_plan_wrn28_2_full, 300), "wrn28_2_precision": (_plan_wrn28_2_precision, 60),

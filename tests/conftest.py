@@ -42,8 +42,12 @@ SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # 
 def xdist_scope(nodeid: str) -> str:
     """The xdist scope of a test: ``services`` or its module's path."""
     module, _, name = nodeid.partition("::")
-    stem = module.rsplit("/", 1)[-1].removesuffix(".py")
-    return "services" if stem in SERVICE_MODULES or name.split("[")[0] in SERVICE_TESTS else module
+    return "services" if _stem(nodeid) in SERVICE_MODULES or name.split("[")[0] in SERVICE_TESTS else module
+
+
+def _stem(nodeid: str) -> str:
+    """``tests/test_search.py::test_x[a]`` -> ``test_search``."""
+    return nodeid.partition("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
 SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # the session fixtures of one server each
@@ -55,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
     others on a second worker, with a second set of servers and a local Ray that may collide with theirs."""
     for item in items:
         used = sorted(SHARED_SERVICES & set(getattr(item, "fixturenames", ())))
-        if used and xdist_scope(item.nodeid) != "services" and item.module.__name__.rsplit(".", 1)[-1] not in OWN_NODES:
+        if used and xdist_scope(item.nodeid) != "services" and _stem(item.nodeid) not in OWN_NODES:
             raise pytest.UsageError(f"{item.nodeid} uses the shared {', '.join(used)}: add its module to "
                                     f"SERVICE_MODULES in tests/conftest.py")
 

@@ -5,6 +5,12 @@ The workers are real processes meeting in real collectives (torch.distributed ov
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +52,7 @@ def test_a_batch_that_the_workers_cannot_split_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"train.batch_size must be divisible by the 3 data-parallel workers"):
         next(iter(digits.train_batches(0, 0, 16, 1, False, shard=(0, 3))))
     with pytest.raises(ConfigError, match=r"train.bn_batch must divide each of the 4 workers' 4 images"):
-        launch_local(_config(bn_batch=8), 4, __import__("pathlib").Path("/nonexistent-never-made"))
+        launch_local(_config(bn_batch=8), 4, Path("/nonexistent-never-made"))
 
 
 @pytest.mark.slow
@@ -87,13 +93,6 @@ def test_two_gpu_workers_capture_the_all_reduce_in_the_step_graph_and_exit(tmp_p
     stay identical, and the workers exit: a graph that captured an NCCL collective must be freed before the process
     group is destroyed, or ncclCommDestroy waits forever (pytorch/pytorch#115388). Run in a child process with a
     time limit so that a hang fails the test instead of blocking the suite."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     cfg = _config("cowmix", lr=2.0, epochs=2, steps_per_epoch=6, device="cuda", cuda_graph="step",
                   precision="fp32", threads=None)
     script = ("import json, sys; from pathlib import Path; from trainables.config import TrainConfig; "
