@@ -206,9 +206,8 @@ def test_throughput_without_a_gpu_says_what_runs_on_a_cpu(monkeypatch, capsys, a
 
 
 @NO_GPU_ONLY
-@pytest.mark.parametrize("script", ["gpu_checks.py", "profile_step.py", "cudnn_modes.py", "conv_gemm_bound.py",
-                                    "shakeshake_convs.py", "kernel_breakdown.py", "step_ab.py", "runner_memory.py",
-                                    "first_step.py", "conv_rows_bench.py", "bn_relu_pair_bench.py"])
+@pytest.mark.parametrize("script", ["gpu_checks.py", "profile_step.py", "kernel_breakdown.py", "step_ab.py",
+                                    "runner_memory.py", "first_step.py", "conv_rows_bench.py", "bn_relu_pair_bench.py"])
 def test_gpu_only_benchmarks_say_so_on_a_machine_without_a_gpu(script):
     """Each GPU-only script (or mode: the default device of step_ab, first_step and conv_rows_bench is the GPU) exits
     with one line naming itself and the missing GPU, not a CUDA traceback."""
@@ -346,16 +345,13 @@ def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeyp
     assert r.returncode != 0 and "TORCHINDUCTOR_BENCHMARK_KERNEL=1" in r.stderr
 
 
-@pytest.mark.parametrize("script", ["conv_gemm_bound.py", "profile_step.py", "cudnn_modes.py"])
-def test_gpu_only_scripts_import_and_parse_their_arguments(script):
-    """Scripts that need a GPU to run still import here (their helpers from the other scripts) and list their
-    options; profile_step.py offers step_ab's switched variants and Inductor's threshold."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
-                       timeout=300)
+def test_profile_step_imports_and_parses_its_arguments():
+    """profile_step.py needs a GPU to run but still imports here (its helpers from the other scripts) and lists its
+    options: step_ab's switched variants and Inductor's threshold."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--help"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert {"conv_gemm_bound.py": "--relu", "profile_step.py": "unstored-input-grads",
-            "cudnn_modes.py": "--repeats"}[script] in r.stdout
-    assert script != "profile_step.py" or "--reads N" in r.stdout
+    assert "unstored-input-grads" in r.stdout and "--reads N" in r.stdout
 
 
 def test_bn_relu_pair_bench_checks_its_kernels_in_the_interpreter():
@@ -371,71 +367,3 @@ def test_profile_step_refuses_a_threshold_below_one_before_asking_for_a_gpu():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("--reads: Inductor's realize_reads_threshold must be >= 1, got 0")
-
-
-def test_cudnn_modes_adds_up_a_step_and_the_best_way_per_convolution(monkeypatch, capsys):
-    """Each way's step total is launches x times summed, from the best of its processes; the per-convolution best
-    takes each op's fastest time over every process of every way: two convolutions, one run twice a step, two ways
-    whose winners differ by op, and a second process of one way faster on one op only."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import cudnn_modes
-
-    def result(mode, us):
-        rows = [{"count": 2, "input": (4, 8, 8, 8), "weight": (8, 8, 3, 3), "stride": 1, "kind": "student",
-                 "us": {"forward": us[0], "input grad": us[1], "weight grad": us[2]}},
-                {"count": 1, "input": (2, 8, 8, 8), "weight": (16, 8, 3, 3), "stride": 1, "kind": "fused",
-                 "us": {"forward": us[3]}}]
-        return {"mode": mode, "device": "GPU", "torch": "x", "rows": rows}
-
-    runs = [result("limit0", (100, 200, 300, 1000)), result("heuristic", (50, 400, 300, 500)),
-            result("limit0", (100, 150, 310, 1000))]
-    assert cudnn_modes.step_total(runs[0]) == 2 * 600 + 1000
-    assert cudnn_modes.step_total(runs[0], "student") == 1200 and cudnn_modes.step_total(runs[0], "teacher") == 1000
-    cudnn_modes.report(runs)
-    out = capsys.readouterr().out
-    assert "2x student 8->8 8x8 /1" in out and "1x fused 8->16 8x8 /1" in out
-    totals = {line.split(" (")[0]: line.split()[-2:] for line in out.splitlines() if line.startswith("a step")}
-    # ms: limit0's processes 2.20 and 2.12 (its best), heuristic 2.00
-    assert totals == {"a step": ["2.12", "2.00"], "a step, the student": ["1.12", "1.50"],
-                      "a step, the teacher": ["1.00", "0.50"]}
-    rows = [line.split() for line in out.splitlines() if line.startswith("2x student")]
-    assert [r[-2:] for r in rows if "input" in r] == [["150.0", "400.0"]]   # limit0's second process
-    assert "fastest way: 1.50 ms" in out   # 2 x (50 + 150 + 300) + 500 us
-
-
-def test_cudnn_modes_lists_the_models_convolutions(monkeypatch):
-    """cudnn_modes.CONVS, against the convolutions the model calls: the shake-shake WRN-26 96x2d's student in
-    training mode and its folded teacher in eval mode (on the CPU, 2 images; batch sizes aside)."""
-    import collections
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import cudnn_modes
-
-    from trainables.models import create_model
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.convolution.default:
-                x, w, _, stride, padding = args[:5]
-                self.seen[(tuple(x.shape[1:]), tuple(w.shape), stride[0], padding[0])] += 1
-            return func(*args, **(kwargs or {}))
-
-    model = create_model("wrn26_6_shakeshake", 10)
-    x = torch.randn(2, 3, 32, 32)
-    seen = {}
-    for name, train in (("student", True), ("teacher", False)):
-        with torch.no_grad(), Calls() as calls:
-            model.train(train)(x)
-        seen[name] = calls.seen
-    listed = {"student": collections.Counter(), "teacher": collections.Counter()}
-    for count, xs, ws, stride, pad, kind in cudnn_modes.CONVS:
-        assert xs[0] == (512 if kind == "student" else 256)
-        listed["student" if kind == "student" else "teacher"][(xs[1:], ws, stride, pad)] += count
-    assert listed == seen
