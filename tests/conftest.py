@@ -50,6 +50,13 @@ def _stem(nodeid: str) -> str:
     return nodeid.partition("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
+# Scopes that take a minute or more on 2 cores, longest first (measured 2026-11-29): the workers take them first,
+# then the rest in collection order, so no long scope starts last and leaves the other worker idle at the end.
+LONG_SCOPES = ["services", "tests/test_cluster.py", "tests/test_fast_path.py", "tests/test_team_stack.py",
+               "tests/test_benchmark.py", "tests/test_end_to_end.py", "tests/test_compile_ahead.py",
+               "tests/test_data_parallel.py", "tests/test_cli.py", "tests/test_bn_relu_pair.py", "tests/test_fast_conv.py",
+               "tests/test_trainer.py"]
+
 SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # the session fixtures of one server each
 OWN_NODES = {"test_cluster", "test_team_stack"}   # start their own Ray nodes; may share only PostgreSQL/MLflow fixtures
 
@@ -62,6 +69,9 @@ def pytest_collection_modifyitems(config, items):
         if used and xdist_scope(item.nodeid) != "services" and _stem(item.nodeid) not in OWN_NODES:
             raise pytest.UsageError(f"{item.nodeid} uses the shared {', '.join(used)}: add its module to "
                                     f"SERVICE_MODULES in tests/conftest.py")
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # xdist schedules by the workers' order: the long scopes first
+        rank = {scope: i for i, scope in enumerate(LONG_SCOPES)}
+        items.sort(key=lambda item: rank.get(xdist_scope(item.nodeid), len(rank)))
 
 
 if importlib.util.find_spec("xdist"):
@@ -72,7 +82,30 @@ if importlib.util.find_spec("xdist"):
             def _split_scope(self, nodeid: str) -> str:
                 return xdist_scope(nodeid)
 
+        config.option.loadscopereorder = False   # keep the collection's order (long scopes first), not by test count
         return ByScope(config, log)
+
+
+TIMELINE = os.environ.get("COWTUNE_TEST_TIMELINE")   # a file: when each test started and ended, on which worker
+if TIMELINE:
+    def _mark(event: str, what: str) -> None:
+        with open(TIMELINE, "a") as f:
+            f.write(f"{time.time():.2f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {what}\n")
+
+    def pytest_sessionstart(session):
+        _mark("session", "start")
+
+    def pytest_collection_finish(session):
+        _mark("collected", str(len(session.items)))
+
+    def pytest_runtest_logstart(nodeid, location):
+        _mark("start", nodeid)
+
+    def pytest_runtest_logfinish(nodeid, location):
+        _mark("end", nodeid)
+
+    def pytest_sessionfinish(session, exitstatus):
+        _mark("session", "end")
 
 
 def import_for_triton(module: str, interpreted: bool):

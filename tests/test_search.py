@@ -249,34 +249,25 @@ def test_unwritable_outputs_are_refused_before_any_work(search, search_env, mlfl
     assert [(v.version, v.aliases) for v in client.search_model_versions("name='e2e'")] == before
 
 
-def test_embedded_defaults_local_ray_sqlite_and_artifacts_under_cwd(tmp_path):
-    """No settings at all: Ray starts locally, MLflow writes ./mlflow.db and ./mlartifacts (the laptop path)."""
-    import os
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    out = run_search_script("cifar10_cowout.py", ["--smoke-test", "--trials", "1"], env, tmp_path)
-    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out.stdout
-    assert (tmp_path / "mlflow.db").exists() and (tmp_path / "ray_results" / "cifar10_cowout-smoke").is_dir()
-    client, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowout-smoke")
-    assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
-    assert children[0].info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
-    assert "perturb.sigma_range" in children[0].data.params
-
-
-def test_relative_data_path_reaches_every_trial(tmp_path, digits_tree):
-    """`--data` relative to where the user runs the search works, although Ray runs trials in other folders."""
+def test_embedded_defaults_and_a_relative_data_path(tmp_path, digits_tree):
+    """No settings at all: Ray starts locally, MLflow writes ./mlflow.db and ./mlartifacts (the laptop path); and
+    `--data` relative to where the user runs the search reaches every trial, although Ray runs trials in other
+    folders. (One search for both: each starts a local Ray of its own.)"""
     import os
     import shutil
     shutil.copytree(digits_tree, tmp_path / "mydata")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "1", "--data", "mydata", "--set",
-                                            "data.dataset=imagefolder", "--set", "data.n_val=30",
-                                            "--set", "data.n_labeled=20"], env, tmp_path)
-    _, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowmix-smoke")
-    assert len(children) == 1 and children[0].info.status == "FINISHED"
+    out = run_search_script("cifar10_cowout.py", ["--smoke-test", "--trials", "1", "--data", "mydata", "--set",
+                                                  "data.dataset=imagefolder", "--set", "data.n_val=30",
+                                                  "--set", "data.n_labeled=20"], env, tmp_path)
+    assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out.stdout
+    assert (tmp_path / "mlflow.db").exists() and (tmp_path / "ray_results" / "cifar10_cowout-smoke").is_dir()
+    client, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowout-smoke")
+    assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"
+    assert children[0].info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
+    assert "perturb.sigma_range" in children[0].data.params
     assert children[0].data.params["data.root"] == str(tmp_path / "mydata")
     missing = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
                               "--data", "nowhere"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
