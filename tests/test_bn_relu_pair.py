@@ -155,9 +155,7 @@ def test_switched_block_is_the_block(monkeypatch):
     paired function once."""
     plain, paired = _block_pair(monkeypatch)
     calls = []
-    import trainables.segmented_bn as sbn
-
-    pair_of = sbn.bn_relu_pair_of
+    pair_of = _import_interpreted().bn_relu_pair_of
     monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     x = torch.randn(8, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     x = _cl(x)
@@ -207,9 +205,7 @@ def test_compiled_switched_block_is_the_eager_block(monkeypatch):
     paired = copy.deepcopy(plain)
     x = _cl(torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(2)))
     w = torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(4))
-    import trainables.segmented_bn as sbn
-
-    calls, pair_of = [], sbn.bn_relu_pair_of
+    calls, pair_of = [], brp.bn_relu_pair_of
     monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     results = {}
     for on, block in ((False, plain), (True, paired)):

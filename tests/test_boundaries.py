@@ -45,3 +45,44 @@ def test_search_driver_skips_the_compiler_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each ``trainables`` module and the ``trainables`` modules it imports, at its top or inside a function."""
+    modules = {}
+    for path in (ROOT / "trainables").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                edges |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+        graph[name] = {e for e in edges if e in modules and e != name and not name.startswith(e + ".")}
+    return graph
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    """No import circles in ``trainables``, counting imports inside functions: a module that one of its imports
+    needs back belongs with it, or the two need a third that both import. (A package's ``__init__`` that a
+    submodule imports through its dotted name is not an edge back.)"""
+    graph = _module_graph()
+    assert len(graph) > 40 and "trainables.step" in graph["trainables.trainer"]   # the graph was read
+    state, circles = {}, []
+
+    def visit(name, path):
+        state[name] = "open"
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles:\n" + "\n".join(circles)

@@ -212,30 +212,15 @@ def bn_relu(bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_in_one_pass(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> bool:
-    """Whether ``bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on the one-pass path
-    (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype, and ``y`` holding
-    both their channels."""
+    """Whether ``fast.bn_relu_pair.bn_relu_pair_of`` runs one function for these two batch norms on ``y``: both on
+    the one-pass path (``SegmentedBatchNorm2d``, compiling, equal segments), of one width, epsilon and weight dtype,
+    and ``y`` holding both their channels."""
     return (isinstance(bn_a, SegmentedBatchNorm2d) and isinstance(bn_b, SegmentedBatchNorm2d) and bn_a.training
             and bn_b.training and bn_a.ghost is None and bn_b.ghost is None   # ghost batches: each layer on its own
             and bn_a.segments is not None and bn_a.segments == bn_b.segments
             and bn_a.eps == bn_b.eps and bn_a.num_features == bn_b.num_features
             and bn_a.weight.dtype == bn_b.weight.dtype and y.dim() == 4 and y.shape[1] == 2 * bn_a.num_features
             and bn_a._one_pass(y) and bn_b._one_pass(y))
-
-
-def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
-                    y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``trainables.fast.bn_relu_pair``), with
-    each layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
-    from trainables.fast.bn_relu_pair import bn_relu_pair
-
-    s = len(bn_a.segments)
-    ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,
-                                                        bn_a.eps)
-    n = y.numel() // (s * y.shape[1])
-    bn_a._track(mean_a, var_a, n)
-    bn_b._track(mean_b, var_b, n)
-    return ha, hb
 
 
 def convert_batch_norm(model: nn.Module) -> nn.Module:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainables.segmented_bn import segment_affine, segment_backward, segment_forward
+from trainables.segmented_bn import SegmentedBatchNorm2d, segment_affine, segment_backward, segment_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INT32_LIMIT = 2**31
@@ -261,3 +261,16 @@ def bn_relu_pair(y: Tensor, weight_a: Tensor, bias_a: Tensor, weight_b: Tensor, 
     each half's ``weight`` and ``bias`` (C,); the means and biased variances (segments, C) for the running
     statistics. One backward pass for both (``cowtune::bn_relu_pair_backward``)."""
     return _BnReluPair.apply(y, weight_a, bias_a, weight_b, bias_b, segments, eps)
+
+
+def bn_relu_pair_of(bn_a: SegmentedBatchNorm2d, bn_b: SegmentedBatchNorm2d,
+                    y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``relu(bn_a(y[:, :C]))`` and ``relu(bn_b(y[:, C:]))`` as one function (``bn_relu_pair``), with
+    each layer's running statistics as its own call would keep them; only where ``pairs_in_one_pass``."""
+    s = len(bn_a.segments)
+    ha, hb, mean_a, var_a, mean_b, var_b = bn_relu_pair(y, bn_a.weight, bn_a.bias, bn_b.weight, bn_b.bias, s,
+                                                        bn_a.eps)
+    n = y.numel() // (s * y.shape[1])
+    bn_a._track(mean_a, var_a, n)
+    bn_b._track(mean_b, var_b, n)
+    return ha, hb

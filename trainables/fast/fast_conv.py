@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainables.fast.wgrad_stream import format_of, on_side, switch_convs
+from trainables.fast.wgrad_stream import SWITCHED_CONVS, format_of, on_side, switch_convs
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
@@ -183,6 +183,9 @@ class TritonConv2d(nn.Conv2d):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         y = torch.ops.cowtune.conv3x3(x, self.weight, self.weight.to(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+
+
+SWITCHED_CONVS.append(TritonConv2d)
 
 
 def _plain_convolution(m: nn.Module) -> bool:

@@ -178,6 +178,10 @@ class StreamConv2d(nn.Conv2d):
         return torch.ops.cowtune.conv2d(x, weight, weight.to(x.dtype), list(self.stride), list(self.padding))
 
 
+# The switched convolution classes, whose weight gradients launch on the side stream when it is on: StreamConv2d,
+# and fast_conv.TritonConv2d, which registers itself when its module is imported (it imports this one).
+SWITCHED_CONVS: list[type] = [StreamConv2d]
+
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -202,9 +206,7 @@ def stream_eligible(m: nn.Module) -> bool:
     wgrad_stream_shakeshake``); against the unswitched model they end far apart in that check, the same whether
     the host waits for the GPU after each step or not, with deterministic cuDNN: not a race; why a probe found
     the two bit-identical to step 5 is not yet explained (docs/performance.md, the shake-shake change)."""
-    from trainables.fast.fast_conv import TritonConv2d
-
-    return (isinstance(m, nn.Conv2d) and not isinstance(m, (StreamConv2d, TritonConv2d)) and m.bias is None
+    return (isinstance(m, nn.Conv2d) and not isinstance(m, tuple(SWITCHED_CONVS)) and m.bias is None
             and type(m)._conv_forward is nn.Conv2d._conv_forward and m.groups == 1 and m.dilation == (1, 1)
             and m.padding_mode == "zeros" and not isinstance(m.padding, str))
 
@@ -241,7 +243,5 @@ def side_stream_wanted(on: bool, cuda_graph: str, compiled: bool, one_student_ca
     reuse, so autograd adds no gradients into them outside it) and called once a step (with several calls,
     autograd would sum each weight's gradients on the main stream before the join), and it has convolutions
     that launch there."""
-    from trainables.fast.fast_conv import TritonConv2d
-
     return (on and cuda_graph == "step" and compiled and one_student_call
-            and any(isinstance(m, (TritonConv2d, StreamConv2d)) for m in model.modules()))
+            and any(isinstance(m, tuple(SWITCHED_CONVS)) for m in model.modules()))

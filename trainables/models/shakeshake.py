@@ -21,7 +21,7 @@ from trainables.fast.fast_conv import computes_on_rows
 from trainables.fast.stored_grad import stored_grad
 from trainables.models.layers import BnFedConv2d, SameConv2d, lecun_init_
 from trainables.models.registry import register_model
-from trainables.segmented_bn import bn_relu_pair_of, pairs_in_one_pass
+from trainables.segmented_bn import pairs_in_one_pass
 
 
 def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
@@ -65,6 +65,14 @@ def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
     return nn.Sequential(
         nn.ReLU(), _bn_fed_conv(cin, cout, stride), nn.BatchNorm2d(cout),
         nn.ReLU(), _bn_fed_conv(cout, cout, 1), nn.BatchNorm2d(cout))
+
+
+def bn_relu_pair_of(bn_a: nn.Module, bn_b: nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two inner batch norms and ReLUs as one function (``trainables.fast.bn_relu_pair``), imported when first
+    used: it needs Triton, which a CPU-only install may lack."""
+    from trainables.fast.bn_relu_pair import bn_relu_pair_of as paired
+
+    return paired(bn_a, bn_b, y)
 
 
 class ShakeShakeBlock(nn.Module):
