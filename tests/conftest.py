@@ -54,8 +54,8 @@ def _stem(nodeid: str) -> str:
 # then the rest in collection order, so no long scope starts last and leaves the other worker idle at the end.
 LONG_SCOPES = ["services", "tests/test_cluster.py", "tests/test_fast_path.py", "tests/test_team_stack.py",
                "tests/test_benchmark.py", "tests/test_end_to_end.py", "tests/test_compile_ahead.py",
-               "tests/test_data_parallel.py", "tests/test_cli.py", "tests/test_bn_relu_pair.py", "tests/test_fast_conv.py",
-               "tests/test_trainer.py"]
+               "tests/test_data_parallel.py", "tests/test_cli.py", "tests/test_bn_relu_pair.py",
+               "tests/test_fast_conv.py", "tests/test_trainer.py"]
 
 SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # the session fixtures of one server each
 OWN_NODES = {"test_cluster", "test_team_stack"}   # start their own Ray nodes; may share only PostgreSQL/MLflow fixtures
