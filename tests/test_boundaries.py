@@ -11,14 +11,20 @@ PURE = [p for sub in ("ssl", "data", "models") for p in sorted((ROOT / "trainabl
 FORBIDDEN = {"ray", "mlflow", "optuna"}
 
 
-def imported_roots(path: Path) -> set[str]:
-    roots = set()
+def imported_names(path: Path) -> set[str]:
+    """Every absolute import in ``path``, at its top or inside a function: ``import a.b`` gives ``a.b``;
+    ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (``c`` may be a module or a name)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def imported_roots(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_names(path)}
 
 
 @pytest.mark.parametrize("path", PURE, ids=lambda p: str(p.relative_to(ROOT / "trainables")))
@@ -53,16 +59,8 @@ def _module_graph() -> dict[str, set[str]]:
     for path in (ROOT / "trainables").rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         modules[name] = path
-    graph = {}
-    for name, path in modules.items():
-        edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                edges |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                edges |= {a.name for a in node.names}
-        graph[name] = {e for e in edges if e in modules and e != name and not name.startswith(e + ".")}
-    return graph
+    return {name: {e for e in imported_names(path) if e in modules and e != name and not name.startswith(e + ".")}
+            for name, path in modules.items()}
 
 
 def test_no_module_of_the_package_imports_itself_back():
