@@ -1,0 +1,96 @@
+"""Digests of the weights that a few short training runs end with, to show that a change moved code and nothing else.
+
+Trains each case below from the same seed on the CPU (or ``--device cuda``) and prints one SHA-256 of the student,
+the teacher and the optimiser state a case, as JSON. Run it before and after a refactoring and compare:
+
+    python benchmarks/weights_digest.py > /tmp/before.json        # at the old commit
+    python benchmarks/weights_digest.py | diff /tmp/before.json -  # at the new one: no output, the same weights
+
+The cases cover the plain step and the CPU side of the fast path's switches: one student call a batch or the
+batches stacked with per-batch batch norm, ghost batch norm, both consistency paths, a shake-shake model, and the
+step's glue compiled with Inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere: the repo's packages
+
+BASE = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 30},
+        "optim": {"lr_per_256": 0.5, "schedule": "constant"},
+        "train": {"batch_size": 16, "epochs": 2, "steps_per_epoch": 3, "eval_batch_size": 256, "device": "cpu"}}
+
+CASES = {
+    "cowmix": {"mix": {"name": "cowmix"}},
+    "cowout": {"perturb": {"name": "cowout"}},
+    "cowout+cowmix, one call a batch": {"perturb": {"name": "cowout"}, "mix": {"name": "cowmix"},
+                                        "train": {"stack_student_calls": False}},
+    "cowout+cowmix, stacked": {"perturb": {"name": "cowout"}, "mix": {"name": "cowmix"},
+                               "train": {"stack_student_calls": True}},
+    "cowmix, ghost batch norm 4": {"mix": {"name": "cowmix"}, "train": {"bn_batch": 4}},
+    "shake-shake cowmix": {"mix": {"name": "cowmix"}, "model": "wrn26_2_shakeshake",
+                           "train": {"batch_size": 4, "steps_per_epoch": 2}},
+    "cowmix, compiled": {"mix": {"name": "cowmix"}, "train": {"compile": True}},
+}
+
+
+def merged(base: dict, case: dict) -> dict:
+    out = dict(base)
+    for k, v in case.items():
+        out[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def digest(state: object, h: "hashlib._Hash") -> None:
+    """Feed every tensor of a nested state (dicts in key order, lists in order) into ``h``."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        h.update(str((state.dtype, tuple(state.shape))).encode())
+        h.update(state.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(state, dict):
+        for k in sorted(state, key=str):
+            h.update(str(k).encode())
+            digest(state[k], h)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            digest(v, h)
+    else:
+        h.update(repr(state).encode())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--only", default="", help="comma-separated case names")
+    args = p.parse_args()
+
+    import torch
+
+    from trainables.config import TrainConfig
+    from trainables.trainer import fit
+
+    out = {}
+    for name, case in CASES.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        d = merged(BASE, case)
+        d["train"] = {**d["train"], "device": args.device}
+        cfg = TrainConfig.from_dict(d)
+        with tempfile.TemporaryDirectory() as tmp:
+            fit(cfg, tmp, log=lambda s: None)
+            ckpt = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)
+        h = hashlib.sha256()
+        for part in ("student", "teacher", "optimizer"):
+            digest(ckpt[part], h)
+        out[name] = h.hexdigest()[:16]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
