@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from trainables.segmented_bn import segment_affine, segment_backward  # noqa: E402
+from trainables.models.segmented_bn import segment_affine, segment_backward  # noqa: E402
 
 SHAPES = [(512, 96, 32), (512, 192, 16), (512, 384, 8)]   # (N, C per branch, H = W)
 TINY_SHAPES = [(4, 16, 4), (4, 24, 2)]

@@ -81,7 +81,7 @@ from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
 from trainables.fast.wgrad_stream import empty_conv_output  # noqa: E402
 from trainables.models import create_model  # noqa: E402
-from trainables.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
+from trainables.models.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 
 UNFOLDED = SWITCHES["unfolded-teacher"]   # switched off: the shake-shake model's eval mode unfolded

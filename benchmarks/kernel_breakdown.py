@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_required import require_gpu  # noqa: E402  (this folder: on sys.path when run as a script)
 from trainables.fast.stored_grad import register_lowering  # noqa: E402
 from trainables.models import create_model  # noqa: E402
-from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
+from trainables.models.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
 
 dev = torch.device("cuda")
 out = {}

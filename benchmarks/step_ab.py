@@ -90,7 +90,7 @@ from trainables.fast import conv_rows  # noqa: E402
 from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
 from trainables.fast.step_graph import StepGraph  # noqa: E402
 from trainables.models.shakeshake import ShakeShakeBlock  # noqa: E402
-from trainables.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
+from trainables.models.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.step import StepRunner  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from trainables import metrics as M
-from trainables import segmented_bn
+from trainables.models import segmented_bn
 from trainables.config import TrainConfig
 from trainables.data import Batch, prepare_data
 from trainables.models import create_model
 from trainables.optim import make_optimizer
-from trainables.segmented_bn import (SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments,
+from trainables.models.segmented_bn import (SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments,
                                      convert_batch_norm, segmentable)
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner

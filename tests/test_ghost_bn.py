@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from trainables.config import TrainConfig
 from trainables.models import create_model
 from trainables.optim import make_optimizer
-from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
+from trainables.models.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
 from trainables.validation import ConfigError
@@ -126,7 +126,7 @@ def test_runner_sets_ghost_batches_on_the_student_only(model):
 
 def test_ghost_batches_are_not_paired(monkeypatch):
     """Ghost batch norm runs each layer through the one-pass function on its own, never the paired kernels."""
-    from trainables.segmented_bn import pairs_in_one_pass
+    from trainables.models.segmented_bn import pairs_in_one_pass
     monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
     a, b = _layer(None), _layer(None)
     y = torch.randn(8, 6, 4, 4)

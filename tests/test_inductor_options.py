@@ -121,7 +121,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     from trainables.data import Batch
     from trainables.fast.stored_grad import register_lowering
     from trainables.models.shakeshake import ShakeShakeBlock
-    from trainables.segmented_bn import SegmentedBatchNorm2d
+    from trainables.models.segmented_bn import SegmentedBatchNorm2d
     from trainables.trainer import build_runner
 
     seen: list[tuple[bool, int]] = []
@@ -176,7 +176,7 @@ def test_every_switch_of_the_block_is_in_the_compile_key():
 def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
     """As above, for the batch norm's class switches; ``one_pass_eager`` (tests: the one-pass function when not
     compiling) is the one that changes no compiled graph."""
-    from trainables.segmented_bn import SegmentedBatchNorm2d
+    from trainables.models.segmented_bn import SegmentedBatchNorm2d
 
     switches = {name for name, value in vars(SegmentedBatchNorm2d).items() if isinstance(value, bool)}
     assert switches - {"one_pass_eager"} == set(SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES)

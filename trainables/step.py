@@ -3,7 +3,7 @@
 "Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the
 authors' ``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). The reference
 calls the student once per batch, so batch-norm statistics are per batch; by default the batches
-are stacked into one call whose batch norm keeps per-batch statistics (``trainables.segmented_bn``),
+are stacked into one call whose batch norm keeps per-batch statistics (``trainables.models.segmented_bn``),
 which gives the same result with fewer, larger kernels. The teacher runs in eval mode under
 ``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
 """
@@ -29,7 +29,7 @@ from trainables.fast.step_graph import StepGraph
 from trainables.fast.stored_grad import register_lowering as register_store_lowering
 from trainables.fast.wgrad_stream import backward_on_side, side_stream_wanted
 from trainables.models.shakeshake import ShakeShakeBlock
-from trainables.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
+from trainables.models.segmented_bn import SegmentedBatchNorm2d, batch_segments, segmentable, set_ghost_batch
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
 from trainables.ssl.masks import device_constants

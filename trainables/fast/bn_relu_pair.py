@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trainables.segmented_bn import SegmentedBatchNorm2d, segment_affine, segment_backward, segment_forward
+from trainables.models.segmented_bn import SegmentedBatchNorm2d, segment_affine, segment_backward, segment_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INT32_LIMIT = 2**31

@@ -8,7 +8,7 @@ from typing import Callable
 
 from torch import nn
 
-from trainables.segmented_bn import convert_batch_norm
+from trainables.models.segmented_bn import convert_batch_norm
 from trainables.validation import unknown_name
 
 MODELS: dict[str, Callable[[int], nn.Module]] = {}
@@ -34,7 +34,7 @@ def create_model(name: str, num_classes: int) -> nn.Module:
     """Build a registered model with freshly initialised weights (never downloads anything).
 
     Batch-norm layers are ``SegmentedBatchNorm2d``: plain batch norm unless a step stacks several
-    batches into one call (``trainables.segmented_bn``).
+    batches into one call (``trainables.models.segmented_bn``).
 
     Raises:
         ConfigError: ``name`` is not registered; the message lists known names and the closest.

@@ -21,7 +21,7 @@ from trainables.fast.fast_conv import computes_on_rows
 from trainables.fast.stored_grad import stored_grad
 from trainables.models.layers import BnFedConv2d, SameConv2d, lecun_init_
 from trainables.models.registry import register_model
-from trainables.segmented_bn import pairs_in_one_pass
+from trainables.models.segmented_bn import pairs_in_one_pass
 
 
 def shake_combine(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,

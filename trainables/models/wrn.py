@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from trainables.models.registry import register_model
-from trainables.segmented_bn import bn_relu
+from trainables.models.segmented_bn import bn_relu
 
 class PreActBlock(nn.Module):
     """Pre-activation WRN block (Zagoruyko & Komodakis, arXiv:1605.07146)."""
