@@ -407,7 +407,7 @@ def nothing_starts():
     compile-ahead process) fails the case instead of happening."""
     import ray
 
-    import trainables.fast.compile_ahead
+    import trainables.search.compile_ahead
     import trainables.search.driver
     import trainables.search.experiments
     import trainables.search.final_job
@@ -424,7 +424,7 @@ def nothing_starts():
         mp.setattr(trainables.search.experiments, "init_ray", started("Ray started"))
         for module in (trainables.search.driver, trainables.search.final_job):
             mp.setattr(module, "open_experiment", started("the MLflow experiment was opened"))
-        mp.setattr(trainables.fast.compile_ahead, "start", started("the compile-ahead process started"))
+        mp.setattr(trainables.search.compile_ahead, "start", started("the compile-ahead process started"))
         yield
 
 

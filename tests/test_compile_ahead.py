@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainables.config import TrainConfig
-from trainables.fast import compile_ahead
+from trainables.search import compile_ahead
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_a_trial_after_compile_ahead_loads_every_graph(tmp_path):
     # the control, meanwhile, on caches of its own: without compile ahead, the same trial compiles from scratch
     # (so the check below can tell the two apart)
     alone = _start_trial(tmp_path / "empty", tmp_path / "trial2")
-    r = subprocess.run([sys.executable, "-m", "trainables.fast.compile_ahead", str(cfg_file)], env=_env(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "trainables.search.compile_ahead", str(cfg_file)], env=_env(tmp_path),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile ahead: compiled the cnn_tiny cowmix step (first step" in r.stdout
@@ -78,9 +78,9 @@ def test_start_only_where_a_gpu_would_use_it():
 
 
 def test_bad_invocation_says_how_to_call_it():
-    r = subprocess.run([sys.executable, "-m", "trainables.fast.compile_ahead"], env=_env(Path("/nonexistent")),
+    r = subprocess.run([sys.executable, "-m", "trainables.search.compile_ahead"], env=_env(Path("/nonexistent")),
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "usage: python -m trainables.fast.compile_ahead CONFIG.json" in r.stderr
+    assert r.returncode == 2 and "usage: python -m trainables.search.compile_ahead CONFIG.json" in r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

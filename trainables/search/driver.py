@@ -23,7 +23,7 @@ from ray import tune
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
-from trainables.fast import compile_ahead
+from trainables.search import compile_ahead
 from trainables.search import outbox, progress, studies, summary, tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job

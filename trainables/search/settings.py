@@ -85,7 +85,7 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
     p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")
     p.add_argument("--no-compile-ahead", action="store_true",
                    help="do not compile the training step on this machine's GPU while the trials start "
-                        "(trainables/fast/compile_ahead.py); each trial then compiles its own")
+                        "(trainables/search/compile_ahead.py); each trial then compiles its own")
     p.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on this machine (they exist only on the workers)")
     p.add_argument("--ray-output", nargs="?", type=int, const=1, choices=(1, 2), metavar="LEVEL",

@@ -3,7 +3,7 @@
 A trial compiles its step (Dynamo, Inductor, cuDNN tuning, CUDA-graph capture) at its first step;
 with empty compile caches that is the longest wait of a search (WRN-28-2 CowMix on H100 hosts:
 46-69 s), and a trial only gets there some 40 s after launch (driver imports, MLflow, Ray, worker
-start, data). The driver therefore starts ``python -m trainables.fast.compile_ahead`` at once: a process
+start, data). The driver therefore starts ``python -m trainables.search.compile_ahead`` at once: a process
 that builds the step exactly as a trial does (``trainer.setup_device``, ``build_runner``,
 ``train_epoch`` with one step, same data) and runs that first step under the machine's
 first-compile lock (``trainables.fast.compile_lock``); on an H100 host its compilation began about 17 s
@@ -15,7 +15,7 @@ from the warm caches. It trains nothing that is kept and touches no trial's rand
 fails, the trials compile for themselves, as without it.
 
     proc = start(cfg)                      # None where the driver has no GPU or cfg does not compile
-    python -m trainables.fast.compile_ahead CONFIG.json   # what it runs; prints one line when done
+    python -m trainables.search.compile_ahead CONFIG.json   # what it runs; prints one line when done
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def start(cfg: TrainConfig, log: Callable[[str], None] = print, timeout_s: float
         return None
     work = Path(tempfile.mkdtemp(prefix="cowtune-compile-ahead-"))
     (work / "config.json").write_text(json.dumps(cfg.to_dict()))
-    argv, env = module_command("trainables.fast.compile_ahead", str(work / "config.json"))
+    argv, env = module_command("trainables.search.compile_ahead", str(work / "config.json"))
     out = open(work / "compile.log", "w")
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -109,7 +109,7 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m trainables.fast.compile_ahead CONFIG.json", file=sys.stderr)
+        print("usage: python -m trainables.search.compile_ahead CONFIG.json", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
