@@ -422,7 +422,7 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
     from torch._inductor import lowering
 
     from trainables.fast.stored_grad import register_lowering
-    from trainables.step import REALIZE_READS_BY_MODEL
+    from trainables.fast.compile_options import REALIZE_READS_BY_MODEL
 
     register_lowering()
     op = torch.ops.cowtune.store.default
@@ -462,7 +462,7 @@ def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
     eager float32 pass's gradients (``_no_worse``); the paired compile must have run the kernels, not the PyTorch
     formula's fallback. ``where`` "cpu": this function's logic (the kernels run only in Triton's interpreter there)."""
     from trainables.fast import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
-    from trainables.step import REALIZE_READS_BY_MODEL
+    from trainables.fast.compile_options import REALIZE_READS_BY_MODEL
 
     ok = True
     with _exact_cudnn():

@@ -24,7 +24,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     untuned  as wgrad-stream, without Inductor's coordinate-descent tuning of the models' kernels
             (train.tune_kernels false)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
-            (train.combo_kernels; by default on for the models in step.COMBO_KERNEL_MODELS)
+            (train.combo_kernels; by default on for the models in fast.compile_options.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
             losses, run eagerly (train.compile_masks_and_losses false) instead of compiled
     two-first-convs  as wgrad-stream, with a shake-shake block's two first convolutions run one by one
@@ -36,7 +36,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (ShakeShakeBlock.fold_eval_bn false) instead of folded into its convolutions
     reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
             (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
-            those in step.REALIZE_READS_BY_MODEL) instead of the model's own
+            those in fast.compile_options.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
@@ -46,7 +46,8 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             kernels of their own inside the stacked student call (SegmentedBatchNorm2d.defer_stats false) instead
             of after it in a few foreach kernels
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
-            dependent launch (train.dependent_launch; by default on for the models in step.DEPENDENT_LAUNCH_MODELS)
+            dependent launch (train.dependent_launch; by default on for the models in
+            fast.compile_options.DEPENDENT_LAUNCH_MODELS)
     unpaired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as layers
             of their own, Inductor's backward, instead of one function over the stacked first convolution's output
             whose backward is our own kernels (ShakeShakeBlock.paired_inner_bn_relu false;

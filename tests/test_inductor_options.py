@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainables.config import TrainConfig
-from trainables.step import COMBO_KERNEL_MODELS, combo_kernels_wanted, inductor_options
+from trainables.fast.compile_options import COMBO_KERNEL_MODELS, combo_kernels_wanted, inductor_options
 from trainables.validation import ConfigError
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")   # device objects only: nothing runs on them
@@ -39,7 +39,7 @@ def test_dependent_launch_by_model_and_by_config():
     on a GPU it is an option of the models' own compile (so in the first-compile key), on the CPU absent."""
     import torch._inductor.config as inductor
 
-    from trainables.step import DEPENDENT_LAUNCH_MODELS, dependent_launch_wanted
+    from trainables.fast.compile_options import DEPENDENT_LAUNCH_MODELS, dependent_launch_wanted
 
     def with_pdl(model: str, on=None) -> TrainConfig:
         return TrainConfig.from_dict({"model": model, "train": {"dependent_launch": on}})
@@ -66,7 +66,7 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
     it off where their config leaves it open (the tuning costs the first compile, which every trial waits for,
     more than a trial gains), in the worker process, not in the config: a promoted trial's config tunes."""
     import search_spaces.cifar10_cowmix as cowmix
-    from trainables.step import tune_kernels_by_default, tune_kernels_wanted
+    from trainables.fast.compile_options import tune_kernels_by_default, tune_kernels_wanted
     from trainables.search.tune_trainable import train_trial
 
     def with_train(**train):
@@ -93,7 +93,7 @@ def test_reads_threshold_by_model_and_by_config():
     """The shake-shake models get Inductor's realize_reads_threshold 4 (the gradient down their residual chain is then
     stored every other block, not re-read by every kernel of four), the others the trainer's global 8;
     ``train.realize_reads_threshold`` overrides either, and a bad one is refused."""
-    from trainables.step import REALIZE_READS_BY_MODEL, realize_reads_wanted
+    from trainables.fast.compile_options import REALIZE_READS_BY_MODEL, realize_reads_wanted
 
     def with_reads(model: str, reads=None) -> TrainConfig:
         return TrainConfig.from_dict({"model": model, "train": {"realize_reads_threshold": reads}})
@@ -186,7 +186,7 @@ def test_every_switch_of_the_row_kernels_layer_is_in_the_compile_key():
     """As above, for the row kernels' switch (it decides which layers run the operator, and whether a shake-shake
     block's first convolutions are stacked)."""
     from trainables.fast.fast_conv import TritonConv2d
-    from trainables.step import GRAPH_SWITCH_OWNERS
+    from trainables.fast.compile_options import GRAPH_SWITCH_OWNERS
 
     switches = {name for name, value in vars(TritonConv2d).items() if isinstance(value, bool)}
     assert switches == set(TritonConv2d.COMPILE_KEY_SWITCHES) and TritonConv2d in GRAPH_SWITCH_OWNERS

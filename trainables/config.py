@@ -146,21 +146,21 @@ class TrainSettings:
                                       # the backward pass (trainables.fast.wgrad_stream)
     combo_kernels: bool | None = None  # cuda, compiled: Inductor's combo kernels (independent small kernels
                                       # launched as one); None: for the models where they were measured to
-                                      # pay (trainables.step.COMBO_KERNEL_MODELS)
+                                      # pay (trainables.fast.compile_options.COMBO_KERNEL_MODELS)
     dependent_launch: bool | None = None  # cuda, compiled: the models' Inductor kernels launched with programmatic
                                       # dependent launch (Hopper or newer: a kernel's blocks start while the
                                       # one before it finishes; Inductor's triton.enable_pdl); None: for the
                                       # models where it was measured to pay
-                                      # (trainables.step.DEPENDENT_LAUNCH_MODELS: not the shake-shake
+                                      # (trainables.fast.compile_options.DEPENDENT_LAUNCH_MODELS: not the shake-shake
                                       # models, where it measured slower)
     realize_reads_threshold: int | None = None  # compiled: Inductor's realize_reads_threshold for the student and
                                       # teacher (a result several kernels read is recomputed in each while it
                                       # reads at most this many buffers, else stored); None: the model's entry
-                                      # in trainables.step.REALIZE_READS_BY_MODEL, else the trainer's 8
+                                      # in trainables.fast.compile_options.REALIZE_READS_BY_MODEL, else the trainer's 8
     tune_kernels: bool | None = None  # cuda, compiled: Inductor's coordinate-descent tuning of the models'
                                       # kernels (block sizes measured once per machine, then cached); None: on
                                       # unless deterministic, and off in a search's trials
-                                      # (trainables.step.tune_kernels_wanted)
+                                      # (trainables.fast.compile_options.tune_kernels_wanted)
     compile_masks_and_losses: bool = True  # compiled: the masks and mixing after their random draws with
                                       # the stacking of the student's batches, and the losses, compiled too
                                       # (trainables.step.student_inputs, loss_terms)

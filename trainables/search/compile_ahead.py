@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.monotonic()
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
-    from trainables.step import tune_kernels_by_default
+    from trainables.fast.compile_options import tune_kernels_by_default
 
     tune_kernels_by_default(False)   # as the search's trials compile it (trainables.search.tune_trainable)
     timings = compile_step(cfg)

@@ -26,7 +26,7 @@ from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
 from trainables.search.trial_run import TrialRun
-from trainables.step import tune_kernels_by_default
+from trainables.fast.compile_options import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
