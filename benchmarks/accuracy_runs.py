@@ -24,10 +24,10 @@ from pathlib import Path
 
 # The search's proxy for the paper's setting: CIFAR-10 JPEGs, 1,000 labels, the 5,000-image holdout.
 HOLDOUT = ["data.dataset=imagefolder", "data.n_val=5000", "data.eval_split=val", "data.n_labeled=1000"]
-# The fast path off: eager float32 (TF32 convolutions, as PyTorch's default), one student call per batch,
-# cuDNN for every convolution, no CUDA graph, no side streams, NCHW.
-PLAIN = ["train.compile=false", "train.cuda_graph=none", "train.stack_student_calls=false",
-         "train.conv_kernels=cudnn", "train.precision=fp32", "train.wgrad_stream=false", "train.channels_last=false"]
+# The fast path off (trainables.config.PLAIN_TRAIN): eager float32 (TF32 convolutions, as PyTorch's default), one
+# student call per batch, cuDNN for every convolution, no CUDA graph, no side streams, NCHW. (The plans run before
+# train.fast existed spelled these out one by one: train.compile=false train.cuda_graph=none ...)
+PLAIN = ["train.fast=false"]
 SUPERVISED = ["mix=null", "perturb=null"]
 
 

@@ -15,12 +15,12 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (DeviceData.chunk_steps 1) instead of 8 steps at once
     eager-aug  as wgrad-stream, with the augmentation run eagerly (DeviceData.compiled false) instead of
             under torch.compile
-    eager-ema  as wgrad-stream, with the teacher EMA run eagerly (StepRunner.compile_ema false) instead of
+    eager-ema  as wgrad-stream, with the teacher EMA run eagerly (Switches.compile_ema false) instead of
             compiled
     no-priority  as wgrad-stream, with the step graph captured on a stream of the default priority
             (StepGraph.priority false) instead of a high-priority one
     one-update  as wgrad-stream, with the optimiser update and teacher EMA in one part after the weight-gradient
-            stream's join (StepRunner.update_in_parts false) instead of two around it
+            stream's join (Switches.update_in_parts false) instead of two around it
     untuned  as wgrad-stream, without Inductor's coordinate-descent tuning of the models' kernels
             (train.tune_kernels false)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
@@ -92,7 +92,7 @@ from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
 from trainables.fast.step_graph import StepGraph  # noqa: E402
 from trainables.models.shakeshake import ShakeShakeBlock  # noqa: E402
 from trainables.models.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
-from trainables.step import StepRunner  # noqa: E402
+from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
@@ -104,7 +104,7 @@ INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
 # variants that turn off some of the trainer's and models' class switches (on by default)
-SWITCHES = {"eager-ema": ((StepRunner, "compile_ema"),), "one-update": ((StepRunner, "update_in_parts"),),
+SWITCHES = {"eager-ema": ((Switches, "compile_ema"),), "one-update": ((Switches, "update_in_parts"),),
             "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
             "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
             "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
@@ -176,13 +176,13 @@ def inductor_options_of(variant: str) -> dict[str, object]:
 @contextlib.contextmanager
 def inductor_options_added(extra: dict[str, object]):
     """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options, over the
-    trainer's own (StepRunner.extra_inductor_options, and so in its compile key)."""
-    saved = StepRunner.extra_inductor_options
-    StepRunner.extra_inductor_options = dict(extra)
+    trainer's own (Switches.extra_inductor_options, and so in its compile key)."""
+    saved = Switches.extra_inductor_options
+    Switches.extra_inductor_options = dict(extra)
     try:
         yield
     finally:
-        StepRunner.extra_inductor_options = saved
+        Switches.extra_inductor_options = saved
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:

@@ -237,6 +237,7 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
 
     from trainables.config import TrainConfig
     from trainables.data import Batch
+    from trainables.fast.switch import compile_key
     from trainables.trainer import build_runner
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -271,7 +272,7 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
             compiled.clear()
             with step_ab.inductor_options_added(extra):
                 runner = build_runner(cfg, 10, torch.device("cpu"))
-            models.append(([o for o in compiled if "realize_reads_threshold" in o], runner.compile_key(batch)))
+            models.append(([o for o in compiled if "realize_reads_threshold" in o], compile_key(runner, batch)))
     (plain, plain_key), (varied, varied_key), (after, after_key) = models
     assert len(plain) == len(varied) == 2   # student and teacher
     assert all(o["aggressive_fusion"] is True and o["realize_reads_threshold"] == 5 for o in varied)

@@ -11,11 +11,23 @@ PURE = [p for sub in ("ssl", "data", "models") for p in sorted((ROOT / "trainabl
 FORBIDDEN = {"ray", "mlflow", "optuna"}
 
 
-def imported_names(path: Path) -> set[str]:
-    """Every absolute import in ``path``, at its top or inside a function: ``import a.b`` gives ``a.b``;
-    ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (``c`` may be a module or a name)."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations, never run)."""
+    return {id(inner) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body for inner in ast.walk(stmt)}
+
+
+def imported_names(path: Path, type_only: bool = True) -> set[str]:
+    """Every absolute import in ``path``, at its top or inside a function (and, with ``type_only``, under ``if
+    TYPE_CHECKING:``): ``import a.b`` gives ``a.b``; ``from a.b import c`` gives ``a.b`` and ``a.b.c`` (``c`` may
+    be a module or a name)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = set() if type_only else _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -54,12 +66,14 @@ def test_search_driver_skips_the_compiler_stack():
 
 
 def _module_graph() -> dict[str, set[str]]:
-    """Each ``trainables`` module and the ``trainables`` modules it imports, at its top or inside a function."""
+    """Each ``trainables`` module and the ``trainables`` modules it imports when it runs, at its top or inside a
+    function (not those imported for annotations only)."""
     modules = {}
     for path in (ROOT / "trainables").rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         modules[name] = path
-    return {name: {e for e in imported_names(path) if e in modules and e != name and not name.startswith(e + ".")}
+    return {name: {e for e in imported_names(path, type_only=False)
+                   if e in modules and e != name and not name.startswith(e + ".")}
             for name, path in modules.items()}
 
 
@@ -84,3 +98,53 @@ def test_no_module_of_the_package_imports_itself_back():
         if name not in state:
             visit(name, [name])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def _package_of(module: str) -> str:
+    """The package whose ``MAY_IMPORT`` rules a module: its subpackage, or ``trainables`` for the core's modules."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (ROOT / "trainables" / parts[-1]).is_dir() else "trainables"
+
+
+def _may_import(package: str) -> tuple[str, ...]:
+    """The ``MAY_IMPORT`` of a package's ``__init__``, read without importing it."""
+    init = ROOT / Path(*package.split(".")) / "__init__.py"
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["MAY_IMPORT"]:
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError(f"{init} has no MAY_IMPORT")
+
+
+def test_each_layer_imports_only_what_its_package_allows():
+    """The layers of trainables/__init__.py: each module imports, when it runs, only its own package and what that
+    package's ``MAY_IMPORT`` names (a package, a module, or a name in one). So the pure algorithm, data and models
+    never reach up; ``fast`` never imports the core; the core reaches ``fast`` through ``trainables.fast.switch``."""
+    graph = _module_graph()
+    packages = {_package_of(m) for m in graph}
+    assert packages == {"trainables", "trainables.ssl", "trainables.data", "trainables.models", "trainables.fast",
+                        "trainables.search"}, packages
+    wrong = []
+    for module, imports in sorted(graph.items()):
+        own, allowed = _package_of(module), _may_import(_package_of(module))
+        for target in sorted(imports):
+            if _package_of(target) != own and not any(target == a or target.startswith(a + ".") for a in allowed):
+                wrong.append(f"{module} imports {target} ({own} may import {', '.join(allowed)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_enters_the_fast_path_through_one_door_and_reaches_search_only_in_subcommands():
+    """Of ``trainables.fast`` the core imports the switch alone, and the search package only inside functions (the
+    command's subcommands): importing the core never starts Ray, Optuna or MLflow."""
+    core = [p for p in (ROOT / "trainables").glob("*.py")]
+    doors = {name for p in core for name in imported_names(p) if name.startswith("trainables.fast")}
+    assert doors == {"trainables.fast.switch"} | {n for n in doors if n.startswith("trainables.fast.switch.")}, doors
+    at_top = {str(p.relative_to(ROOT)) for p in core for node in ast.parse(p.read_text()).body
+              if isinstance(node, (ast.Import, ast.ImportFrom))
+              and any(n.startswith("trainables.search") for n in imported_names_of(node))}
+    assert not at_top, at_top
+
+
+def imported_names_of(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    return {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}

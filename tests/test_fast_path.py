@@ -284,7 +284,8 @@ def _schedule_config(path: str, seed: int) -> TrainConfig:
          "optim": {"lr_per_256": 0.3, "schedule": "cosine", "cosine_half_epochs": 8},
          "mix": {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5},
          "train": {"batch_size": 32, "epochs": 8, "steps_per_epoch": 25, "device": "cpu", "eval_batch_size": 500,
-                   "threads": 2, "compile": path == "fast", "stack_student_calls": path == "fast"}}
+                   "threads": 2,
+                   **({"compile": True, "stack_student_calls": True} if path == "fast" else {"fast": False})}}
     return TrainConfig.from_dict(d)
 
 
@@ -307,3 +308,39 @@ def test_fast_path_learns_what_the_plain_path_learns_over_a_whole_schedule(tmp_p
     assert mean["plain"][-1] < 0.6 and mean["fast"][-1] < 0.6, mean
     gaps = [abs(a - b) for a, b in zip(mean["plain"][2:], mean["fast"][2:])]
     assert max(gaps) < 0.06, (gaps, curves)
+
+
+def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(tmp_path):
+    """``train.fast: false`` is one switch for the plain step: it sets each of ``PLAIN_TRAIN``'s settings (and the
+    config says so when written back), the runner is not sped up (eager models and glue, no stream or graph), and a
+    run with it ends with the weights of a run that sets those settings one by one. A setting beside it that is
+    neither its default nor its plain value is named before anything runs."""
+    from trainables.config import PLAIN_TRAIN
+    from trainables.trainer import build_runner
+    from trainables.validation import ConfigError
+
+    def config(**train):
+        d = _schedule_config("fast", 0).to_dict()
+        d["train"].update({"epochs": 1, "steps_per_epoch": 3, "compile": None, "stack_student_calls": True, **train})
+        return TrainConfig.from_dict(d)
+
+    plain = config(fast=False)
+    assert {k: getattr(plain.train, k) for k in PLAIN_TRAIN} == dict(PLAIN_TRAIN)
+    assert TrainConfig.from_dict(plain.to_dict()) == plain
+    assert config(fast=False, precision="fp32", cuda_graph="none").train == plain.train   # plain values may be set
+    # a setting at its default takes the plain value (a config written out in full names every default)
+    assert config(fast=False, stack_student_calls=True, cuda_graph="step").train == plain.train
+    for name, value in (("compile", True), ("precision", "bf16"), ("cuda_graph", "model")):   # neither
+        with pytest.raises(ConfigError, match=f"train.{name} must be .* or left out: train.fast is false"):
+            config(fast=False, **{name: value})
+
+    runner = build_runner(plain, 10, torch.device("cpu"))
+    assert runner.student_forward is runner.student and runner.stacked_bns is None and not runner.compiled
+    assert runner.step_graph is None and runner.teacher_stream is None and runner.update_parts is None
+    spelled_out = config(**{k: v for k, v in PLAIN_TRAIN.items()})
+    data = prepare_data(plain.data, 0, torch.device("cpu"))
+    weights = []
+    for name, cfg in (("switch", plain), ("spelled", spelled_out)):
+        fit(cfg, tmp_path / name, data=data, log=lambda s: None)
+        weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["student"])
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -117,8 +117,8 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     import torch._inductor.config as inductor
     from torch._inductor.graph import GraphLowering
 
-    from trainables import step
     from trainables.data import Batch
+    from trainables.fast import switch
     from trainables.fast.stored_grad import register_lowering
     from trainables.models.shakeshake import ShakeShakeBlock
     from trainables.models.segmented_bn import SegmentedBatchNorm2d
@@ -133,7 +133,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
 
     monkeypatch.setattr(GraphLowering, "__init__", spy)
     registered = []   # the store's lowering, registered before compiling (the shake-shake blocks' input gradients)
-    monkeypatch.setattr(step, "register_store_lowering", lambda: registered.append(True) or register_lowering())
+    monkeypatch.setattr(switch, "register_store_lowering", lambda: registered.append(True) or register_lowering())
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"compile": True, "realize_reads_threshold": 3}})
     custom_functions = {name: getattr(functorch, name) for name in ("autograd_cache_allow_custom_autograd_functions",)
                         if hasattr(functorch, name)}   # set by the runner; absent in older PyTorch
@@ -153,15 +153,16 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     assert (False, 3) in seen and (True, 3) in seen and all(reads == 3 for _, reads in seen), seen
     x = torch.zeros(2, 3, 32, 32)
     batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
-    key = runner.compile_key(batch)
+    compile_key = switch.compile_key
+    key = compile_key(runner, batch)
     runner.inductor_options["student"]["realize_reads_threshold"] = 8
-    assert runner.compile_key(batch) != key
-    key = runner.compile_key(batch)
+    assert compile_key(runner, batch) != key
+    key = compile_key(runner, batch)
     monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", False)   # a model switch: the traced graph differs
-    assert runner.compile_key(batch) != key
-    key = runner.compile_key(batch)
+    assert compile_key(runner, batch) != key
+    key = compile_key(runner, batch)
     monkeypatch.setattr(SegmentedBatchNorm2d, "fuse_relu", False)   # a batch-norm switch: the traced graph differs
-    assert runner.compile_key(batch) != key
+    assert compile_key(runner, batch) != key
 
 
 def test_every_switch_of_the_block_is_in_the_compile_key():

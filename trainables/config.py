@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from trainables.ssl.regularizers import Regularizer, regularizer_from_dict, regularizer_to_dict
@@ -116,6 +117,12 @@ class MixPath:
               self.conf_mode)
 
 
+# What train.fast false sets: the plain step's settings, where each of these may be left at its default
+PLAIN_TRAIN = MappingProxyType({"compile": False, "cuda_graph": "none", "stack_student_calls": False,
+                                "conv_kernels": "cudnn", "precision": "fp32", "wgrad_stream": False,
+                                "channels_last": False})
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSettings:
     batch_size: int = 256             # labeled batch; the unlabeled batch has the same size
@@ -123,6 +130,10 @@ class TrainSettings:
     steps_per_epoch: int | None = None  # None: n_unlabeled // batch_size (195 on CIFAR-10 without holdout)
     eval_batch_size: int = 1000
     device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
+    fast: bool = True                 # false: the plain step, the specification (eager, float32, one student
+                                      # call per batch, cuDNN, no CUDA graph or stream): each setting of
+                                      # PLAIN_TRAIN left at its default takes its plain value (another value is
+                                      # refused), and trainables.fast is not entered
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
     compile: bool | None = None       # torch.compile the forward passes (and the on-device augmentation); None:
@@ -189,6 +200,13 @@ class TrainSettings:
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
         check(self.realize_reads_threshold is None or self.realize_reads_threshold >= 1,
               "train.realize_reads_threshold", "be >= 1 or null", self.realize_reads_threshold)
+        if not self.fast:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name, plain in PLAIN_TRAIN.items():
+                value = getattr(self, name)
+                check(value in (defaults[name], plain), f"train.{name}",
+                      f"be {plain!r} or left out: train.fast is false (the plain step)", value)
+                object.__setattr__(self, name, plain)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,15 +20,7 @@ from torch import nn
 from trainables import metrics as M
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.data import Batch
-from trainables.fast.compile_lock import first_compile_lock, operators_version, step_key
-from trainables.fast.compile_options import (GRAPH_SWITCH_OWNERS, allow_custom_functions_in_compile_cache,
-                                            combo_kernels_wanted, dependent_launch_wanted, inductor_options,
-                                            realize_reads_wanted, tune_kernels_wanted)
-from trainables.fast.cuda_streams import shared_stream
-from trainables.fast.split_update import split_update
-from trainables.fast.step_graph import StepGraph
-from trainables.fast.stored_grad import register_lowering as register_store_lowering
-from trainables.fast.wgrad_stream import backward_on_side, side_stream_wanted
+from trainables.fast.switch import backward_on_side, first_step_lock, speed_up
 from trainables.models.segmented_bn import batch_segments, segmentable, set_ghost_batch
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
@@ -112,13 +104,12 @@ def loss_terms(logits: list[torch.Tensor], teacher_logits: torch.Tensor | None, 
 
 
 class StepRunner:
-    """Owns the student, teacher, optimiser and the device-side metric sums of one run."""
+    """Owns the student, teacher, optimiser and the device-side metric sums of one run.
 
-    compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls, for A/B timings)
-    update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: for A/B)
-    # Inductor options applied last, over the trainer's own, to the student and teacher of each runner built while it
-    # is set (and so in their compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it
-    extra_inductor_options: dict[str, object] = {}
+    Built as the plain step, the specification: the student called eagerly once per batch (or once over the
+    stacked batches, with per-batch batch norm), the teacher on the same stream, the update and the EMA as
+    written. ``trainables.fast.switch.speed_up`` then gives it what ``train`` asks for (compiled models and glue,
+    CUDA streams and graphs), unless ``train.fast`` is false."""
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool,
@@ -131,72 +122,22 @@ class StepRunner:
         self.pairs = EmaPairs(teacher, student)
         self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
             else torch.contiguous_format
-        compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
-        mode = cfg.train.compile_mode if device.type == "cuda" else "default"
         self.cuda_graph = cfg.train.cuda_graph if device.type == "cuda" else "none"
-        if self.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
-            mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
         # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
                                        cache_enabled=self.cuda_graph != "step")
-        self.compiled = compiled
-        self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
-        # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
-        # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
-        # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
-        # Weight gradients on a side stream (trainables.fast.wgrad_stream): the student's compiled backward must then
-        # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
-        # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
-        # later in the process reuse code compiled before it, under the other setting)
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
-        self.wgrad_stream = side_stream_wanted(cfg.train.wgrad_stream, self.cuda_graph, compiled,
-                                               self.stacked_bns is not None, student)
-        if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
-            # and past the limit Dynamo would quietly run the model eagerly
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # Inductor stores a pointwise result that two kernels read once it reads more than 4 buffers: the
-            # ReLU-masked gradient in bn_relu's backward reads 4-8, and recomputing it inside both backward
-            # kernels is one pass less per layer (WRN-28-2 CowMix, H100: 132.5 -> 139.4 steps/s with bn_relu)
-            import torch._inductor.config as inductor
-            inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
-            allow_custom_functions_in_compile_cache()
-            register_store_lowering()
-        combo = combo_kernels_wanted(cfg)
-        pdl = dependent_launch_wanted(cfg)
-        self.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream,
-                                                        pdl)
-                                 for name in ("student", "teacher")} if compiled else {}
-        reads = realize_reads_wanted(cfg)
-        if reads is not None:
-            for options in self.inductor_options.values():
-                options["realize_reads_threshold"] = reads
-        self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
-        if self.tuned:
-            for options in self.inductor_options.values():
-                options["coordinate_descent_tuning"] = True
-        for options in self.inductor_options.values():
-            options.update(self.extra_inductor_options)
-        self.student_forward = torch.compile(student, dynamic=False, options=self.inductor_options["student"]) \
-            if compiled else student
-        self.teacher_forward = torch.compile(teacher, dynamic=False, options=self.inductor_options["teacher"]) \
-            if compiled else teacher
-        glue = compiled and cfg.train.compile_masks_and_losses
-        self.student_inputs = torch.compile(student_inputs, dynamic=False) if glue else student_inputs
-        self.loss_terms = torch.compile(loss_terms, dynamic=False) if glue else loss_terms
-        # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
-        # the step; compiled, one pass (alpha and 1 - alpha as device scalars, so one compilation for every alpha)
-        self.ema_compiled = glue and self.compile_ema
-        self.ema = torch.compile(ema_update_, dynamic=False) if self.ema_compiled else ema_update_
+        # The plain step's parts; speed_up replaces those that train asks to run faster
+        self.compiled = self.graphs = self.wgrad_stream = self.tuned = self.ema_compiled = False
+        self.inductor_options: dict[str, dict[str, object]] = {}
+        self.student_forward, self.teacher_forward = student, teacher
+        self.student_inputs, self.loss_terms, self.ema = student_inputs, loss_terms, ema_update_
+        self.teacher_stream: torch.cuda.Stream | None = None
+        self.step_graph = None   # trainables.fast.step_graph.StepGraph: the whole step as one CUDA graph
+        self.update_parts = None   # (early, late) parts of the update around the weight-gradient stream's join
+        if cfg.train.fast:
+            speed_up(self)
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
-        # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
-        # masks and the student's forward, and the main stream waits for it before the losses.
-        # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
-        self.teacher_stream = shared_stream(device, "teacher") if device.type == "cuda" and not self.graphs else None
-        self.step_graph = StepGraph(device) if self.cuda_graph == "step" else None
-        # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
-        self.update_parts = split_update(optimizer, self.pairs, student) \
-            if self.update_in_parts and self.wgrad_stream and self.step_graph is not None and grad_sync is None \
-            else None   # (an all-reduce needs every gradient before any update)
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
         # {time/first_step_s, time/compile_wait_s} once the first step (compilation, cuDNN tuning, capture) ran
@@ -292,36 +233,16 @@ class StepRunner:
         if self.step_graph is not None:
             self.step_graph.release()
 
-    @property
-    def compile_locked(self) -> bool:
-        """Whether this runner's first step compiles under the machine's first-compile lock."""
-        return self.compiled and self.device.type == "cuda" and self.grad_sync is None
-
-    def compile_key(self, batch: Batch) -> str:
-        """What this step's compiled graphs depend on, as the first-compile lock names it."""
-        return step_key(torch.__version__, operators_version(),
-                        torch.cuda.get_device_name(self.device) if self.compile_locked else "",
-                        self.cfg.method, [(n, tuple(p.shape)) for n, p in self.student.named_parameters()],
-                        [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
-                        self.cfg.train.compile_mode, self.cuda_graph, self.cfg.train.stack_student_calls,
-                        self.cfg.train.bn_batch,
-                        self.memory_format, self.bf16, self.cfg.train.conv_kernels, self.wgrad_stream,
-                        self.cfg.train.compile_masks_and_losses, self.ema_compiled, self.update_parts is not None,
-                        sorted(self.inductor_options.get("student", {}).items()),
-                        [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])
-
     def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
-        """The first step compiles: on CUDA under the machine's first-compile lock, so that of trials packed
-        on one GPU the first compiles alone and the others then load the kernels it cached
-        (``trainables.fast.compile_lock``). Not for data-parallel replicas: they meet in collectives during the
-        step, and one waiting for the lock while the holder waits for it in an all-reduce would never finish."""
+        """The first step compiles (``first_step_lock``: on CUDA alone of the processes on the machine)."""
         t0 = time.monotonic()
-        with first_compile_lock(self.compile_key(batch), self.compile_locked) as lock:
+        lock = first_step_lock(self, batch) if self.cfg.train.fast else contextlib.nullcontext({"waited_s": 0.0})
+        with lock as waited:
             self._step(batch, gen, lr, alpha)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # its cuDNN tuning too, before the next trial's
-        self.first_step = {M.FIRST_STEP_S: time.monotonic() - t0 - lock["waited_s"],
-                           M.COMPILE_WAIT_S: lock["waited_s"]}
+        self.first_step = {M.FIRST_STEP_S: time.monotonic() - t0 - waited["waited_s"],
+                           M.COMPILE_WAIT_S: waited["waited_s"]}
 
     def _step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
         if self.step_graph is not None:

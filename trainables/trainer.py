@@ -27,9 +27,7 @@ from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
-from trainables.fast.fast_conv import apply_conv_kernels
-from trainables.fast.gpu_turns import gpu_identity, gpu_turn
-from trainables.fast.wgrad_stream import apply_wgrad_stream
+from trainables.fast.switch import gpu_identity, gpu_turn, prepare_student
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
@@ -229,8 +227,8 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
     data-parallel worker's, ``StepRunner``'s)."""
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
-    apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
-    apply_wgrad_stream(student, cfg.train.wgrad_stream, cfg.train.cuda_graph, device)   # the other convolutions
+    if cfg.train.fast:
+        prepare_student(student, cfg, device)   # our convolution kernels, the weight-gradient stream
     if cfg.train.channels_last and device.type == "cuda":
         student = student.to(memory_format=torch.channels_last)
     teacher = make_teacher(student)

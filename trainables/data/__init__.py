@@ -21,7 +21,8 @@ Salimans, arXiv:2003.12022, and its published code (``milking_cowmask/data_sourc
 Modules: ``sources`` (``RawDataset``, the ``DATASETS`` registry and its loaders), ``image_files``
 (ImageFolder trees and zips, decode cache), ``splits`` (``make_splits`` and split hashes),
 ``batches`` (``Batch``, ``TrainData``, random streams, normalisation), ``device`` (``DeviceData``)
-and ``loader`` (``LoaderData``). Their public names are re-exported here.
+and ``loader`` (``LoaderData``). Their public names are re-exported here. Anything may import it; it imports only
+``trainables.validation``, ``trainables.file_locks`` and ``trainables.image_decode``.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ from trainables.validation import ConfigError, check
 
 if TYPE_CHECKING:
     from trainables.config import DataConfig
+
+MAY_IMPORT = ("trainables.validation", "trainables.file_locks", "trainables.image_decode")
 
 __all__ = [
     "Batch", "DATASETS", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",

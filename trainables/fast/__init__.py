@@ -1,8 +1,12 @@
-"""The speed machinery: CUDA-graph step capture, the update in two parts, CUDA streams, the Triton convolutions and
-the operator switch to them, the weight-gradient stream, conv+bias+ReLU, stored gradients, the paired batch norms'
-backward kernels, the first-compile lock and compile-ahead, and GPU turns for packed trials.
+"""The speed machinery: compile options (``compile_options``) and the first-compile lock (``compile_lock``), the whole
+step as one CUDA graph (``step_graph``) with the update in two parts (``split_update``), CUDA streams
+(``cuda_streams``), our Triton convolutions and the operator switch to them (``fast_conv``, ``conv_rows``), the
+weight-gradient stream (``wgrad_stream``), conv+bias+ReLU, stored gradients, the paired batch norms' backward
+kernels, and GPU turns for packed trials.
 
-None of it changes what a step computes: the plain path in ``trainables/step.py`` is the specification, and the
-tests compare the two. The core still imports some of these modules directly; a narrow interface, one switch, is
-the next step of issue 37.
+None of it changes what a step computes: the plain step in ``trainables/step.py`` is the specification, and the
+tests compare the two. The core enters through one door, ``trainables.fast.switch``, and only when ``train.fast``
+is on; the models call their kernels (``bn_relu_pair``, ``conv_bias_relu``, ``fast_conv``, ``stored_grad``). It
+imports the algorithm, data and models it speeds up, never the core.
 """
+MAY_IMPORT = ("trainables.ssl", "trainables.data", "trainables.models", "trainables.file_locks")

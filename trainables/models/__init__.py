@@ -2,7 +2,8 @@
 
 All models take NCHW float images (any size >= 32; ``cnn_tiny`` >= 8) and return logits (N, classes). Batch-norm
 layers become ``SegmentedBatchNorm2d`` in ``create_model``. Importing this package registers every family; import
-a family's classes from its module (``trainables.models.shakeshake``, ...). Anything may import this package.
+a family's classes from its module (``trainables.models.shakeshake``, ...). Anything may import this package; it
+imports only ``trainables.validation`` and the kernels of ``trainables.fast`` its layers call.
 """
 # Each family registers its models when imported; in this order, the registry's order
 from trainables.models import wrn  # noqa: F401, I001
@@ -10,5 +11,8 @@ from trainables.models import shakeshake  # noqa: F401, I001
 from trainables.models import torchvision_resnets  # noqa: F401, I001
 from trainables.models import cnn  # noqa: F401, I001
 from trainables.models.registry import MODELS, check_model, count_parameters, create_model, list_models, register_model
+
+MAY_IMPORT = ("trainables.validation", "trainables.fast.bn_relu_pair", "trainables.fast.conv_bias_relu",
+              "trainables.fast.fast_conv", "trainables.fast.stored_grad")
 
 __all__ = ["MODELS", "check_model", "count_parameters", "create_model", "list_models", "register_model"]

@@ -90,6 +90,7 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
     warm caches, and one more process compiling beside them would only slow them down)."""
     from trainables.data import prepare_data
     from trainables.fast.compile_lock import compiled_before
+    from trainables.fast.switch import compile_key, compile_locked
     from trainables.trainer import build_runner, setup_device, train_epoch
 
     device = setup_device(cfg)
@@ -101,7 +102,7 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
     steps = min(getattr(data, "chunk_steps", 1),
                 cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size))
     batch = next(iter(data.train_batches(0, cfg.seed, cfg.train.batch_size, steps, augment_twice)))
-    if runner.compile_locked and compiled_before(runner.compile_key(batch)):
+    if compile_locked(runner) and compiled_before(compile_key(runner, batch)):
         return None
     train_epoch(cfg, runner, data, 0, steps, runner.optimizer.param_groups[0]["lr"])
     return runner.first_step or {}
