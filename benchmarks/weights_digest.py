@@ -1,6 +1,7 @@
 """Digests of the weights that a few short training runs end with, to show that a change moved code and nothing else.
 
-Trains each case below from the same seed on the CPU (or ``--device cuda``) and prints one SHA-256 of the student,
+Trains each case below from the same seed on the CPU (or ``--device cuda``: there with ``train.deterministic``, and
+the fast path's GPU parts: compiled, one CUDA graph a step, bf16, our kernels) and prints one SHA-256 of the student,
 the teacher and the optimiser state a case, as JSON. Run it before and after a refactoring and compare:
 
     python benchmarks/weights_digest.py > /tmp/before.json        # at the old commit
@@ -80,7 +81,8 @@ def main() -> None:
         if args.only and name not in args.only.split(","):
             continue
         d = merged(BASE, case)
-        d["train"] = {**d["train"], "device": args.device}
+        # on a GPU, deterministic cuDNN (else two processes may time different algorithms and round differently)
+        d["train"] = {**d["train"], "device": args.device, "deterministic": args.device != "cpu"}
         cfg = TrainConfig.from_dict(d)
         with tempfile.TemporaryDirectory() as tmp:
             fit(cfg, tmp, log=lambda s: None)
