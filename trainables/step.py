@@ -1,11 +1,16 @@
-"""One semi-supervised training step: supervised loss, optional erasure path, optional mix path.
+"""One semi-supervised training step, as the paper's Algorithms 2 (CowOut) and 3 (CowMix) compute it: the
+supervised loss on the labeled batch, then the erasure path's and the mixing path's consistency losses against the
+Mean Teacher's confidence-gated predictions, one SGD update, the teacher's EMA.
 
-"Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the
-authors' ``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). The reference
-calls the student once per batch, so batch-norm statistics are per batch; by default the batches
-are stacked into one call whose batch norm keeps per-batch statistics (``trainables.models.segmented_bn``),
-which gives the same result with fewer, larger kernels. The teacher runs in eval mode under
-``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
+"Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the authors'
+``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). What a step computes lives here, written
+plainly: ``student_inputs`` (the regularizers' perturbed and mixed batches), ``loss_terms`` and
+``StepRunner.losses`` / ``_step``. How it runs fast (compiled, one CUDA graph, streams, our kernels) is
+``trainables.fast``'s, added through ``trainables.fast.switch.speed_up`` and changing no result. The reference calls
+the student once per batch, so batch-norm statistics are per batch; by default the batches are stacked into one
+call whose batch norm keeps per-batch statistics (``trainables.models.segmented_bn``), which gives the same result
+with fewer, larger kernels. The teacher runs in eval mode under ``no_grad``. Metrics stay on the device as running
+sums; nothing here synchronises with the host.
 """
 from __future__ import annotations
 
