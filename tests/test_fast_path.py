@@ -339,8 +339,9 @@ def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(t
     assert runner.step_graph is None and runner.teacher_stream is None and runner.update_parts is None
     spelled_out = config(**{k: v for k, v in PLAIN_TRAIN.items()})
     data = prepare_data(plain.data, 0, torch.device("cpu"))
-    weights = []
+    weights, lines = [], []
     for name, cfg in (("switch", plain), ("spelled", spelled_out)):
-        fit(cfg, tmp_path / name, data=data, log=lambda s: None)
+        fit(cfg, tmp_path / name, data=data, log=lines.append)
         weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["student"])
+    assert sum("the plain step (train.fast false)" in line for line in lines) == 1, lines   # the switch's run says so
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

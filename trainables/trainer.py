@@ -283,6 +283,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
+        f"{'' if cfg.train.fast else ', the plain step (train.fast false)'}"
         f"{TUNED_NOTE if runner.tuned else ''}"
         f"{' + CUDA graphs' if runner.graphs else ''}{' + one CUDA graph per step' if runner.step_graph else ''}, "
         f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
