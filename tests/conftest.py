@@ -29,12 +29,6 @@ PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True))
 
 _GIVEN_PORTS: set[int] = set()
 
-# Two workers on two cores: each worker's PyTorch, and what it starts (`cowtune` commands, benchmark scripts, Ray's
-# trials), on one intra-op thread. Two threads a worker oversubscribe the cores and OpenMP's waiting threads spin:
-# six short training runs took 331 s beside a busy worker with two threads, 149 s with one (2026-11-30).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 # The suite runs on two pytest-xdist workers (scripts/test.sh: -n 2). Each test module runs whole on one worker
 # (its module fixtures start once), and every test that starts or reaches the shared services (the session's Ray
 # head, MLflow server and PostgreSQL) or a local Ray of its own (a search with embedded defaults) is in one scope,

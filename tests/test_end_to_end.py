@@ -2,9 +2,8 @@
 
 scikit-learn's digits (1,797 real 8x8 scans, upsampled to 32x32 and resized to 16x16 on the device, where a run
 takes a quarter of the time at 32x32): 30 labels (3 per class), 500 held out for validation, the rest unlabeled.
-Three seeds, the same labels for both methods within a seed; one CPU thread, so the numbers do not depend on the
-machine's core count (and, beside the suite's other worker on two cores, the run is twice as fast as with two
-threads: 149 s against 331 s). CowMask scales 2-8 px: the paper's 4-16 at 32x32, halved.
+Three seeds, the same labels for both methods within a seed; two CPU threads, so the numbers do not depend on the
+machine's core count. CowMask scales 2-8 px: the paper's 4-16 at 32x32, halved.
 
 A run's final error moves by a few points under a change of float rounding alone, so single seeds say little.
 Measured per-seed gains (supervised minus CowMix teacher error) at this size, 2026-11-29, 2 CPU cores: seeds 0-10
@@ -29,7 +28,7 @@ def config(method: str, seed: int) -> TrainConfig:
         "optim": {"lr_per_256": 0.3, "schedule": "cosine", "cosine_half_epochs": 20},
         "teacher": {"alpha": 0.97},
         "train": {"batch_size": 32, "epochs": 20, "steps_per_epoch": 40, "device": "cpu", "eval_batch_size": 500,
-                  "threads": 1},
+                  "threads": 2},
     }
     if method == "cowmix":
         d["mix"] = {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5, "sigma_range": [2.0, 8.0]}
