@@ -280,9 +280,10 @@ def test_deferred_running_statistics_of_a_layer_called_twice(monkeypatch):
 
 
 def _schedule_config(path: str, seed: int) -> TrainConfig:
-    d = {"seed": seed, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 500, "n_labeled": 50},
+    d = {"seed": seed, "model": "cnn_tiny",
+         "data": {"dataset": "digits", "n_val": 500, "n_labeled": 50, "image_size": 16},
          "optim": {"lr_per_256": 0.3, "schedule": "cosine", "cosine_half_epochs": 8},
-         "mix": {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5},
+         "mix": {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5, "sigma_range": [2.0, 8.0]},
          "train": {"batch_size": 32, "epochs": 8, "steps_per_epoch": 25, "device": "cpu", "eval_batch_size": 500,
                    "threads": 2,
                    **({"compile": True, "stack_student_calls": True} if path == "fast" else {"fast": False})}}
@@ -290,10 +291,12 @@ def _schedule_config(path: str, seed: int) -> TrainConfig:
 
 
 def test_fast_path_learns_what_the_plain_path_learns_over_a_whole_schedule(tmp_path):
-    """Compiled with stacked student calls against eager with one call per batch, float32, over a whole cosine
-    schedule on real digits, three seeds: the seed-mean curves agree within 6 points at every epoch from the
-    third on (measured on 2 cores, four seeds: per-seed final gaps +5.6, +5.8, -2.8, -0.2 points; seed-mean
-    curve gaps under 3 points), and both learn (chance is 90%). A fast path that trained worse, or not at all,
+    """Compiled with stacked student calls against the plain step (``train.fast`` false: eager, one call per batch,
+    float32) over a whole cosine schedule on real digits at 16x16 (CowMask scales halved, as in test_end_to_end),
+    three seeds: the seed-mean curves agree within 6 points at every epoch from the third on, and both learn
+    (chance is 90%). Measured on 2 cores, four seeds (2026-11-30): per-seed final gaps -1.8, +2.4, -5.0, -1.2
+    points, seed-mean curve gaps under 2.3 points, final errors 16-25%; 38 s for three seeds alone (at 32x32 the
+    errors were near 40% and the test took three times as long). A fast path that trained worse, or not at all,
     would leave the plain path's curve. (GPU-only parts, bf16 and our kernels, are checked at training length by
     benchmarks/accuracy_runs.py; docs/RESULTS.md.)"""
     curves = {"plain": [], "fast": []}
@@ -305,7 +308,7 @@ def test_fast_path_learns_what_the_plain_path_learns_over_a_whole_schedule(tmp_p
                 report=lambda e, m, p: history.append(m[M.VAL_ERROR_TEACHER]))
             runs.append(history)
     mean = {path: [sum(v) / len(v) for v in zip(*runs)] for path, runs in curves.items()}
-    assert mean["plain"][-1] < 0.6 and mean["fast"][-1] < 0.6, mean
+    assert mean["plain"][-1] < 0.35 and mean["fast"][-1] < 0.35, mean
     gaps = [abs(a - b) for a, b in zip(mean["plain"][2:], mean["fast"][2:])]
     assert max(gaps) < 0.06, (gaps, curves)
 
