@@ -50,7 +50,8 @@ def child(args: argparse.Namespace) -> dict:
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
         "train": {"batch_size": args.batch, "device": args.device, "precision": "bf16" if cuda else "fp32",
                   "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none",
-                  "tune_kernels": False,   # as a search's trial compiles it (trainables.fast.compile_options.tune_kernels_wanted)
+                  # as a search's trial compiles it (trainables.fast.compile_options.tune_kernels_wanted)
+                  "tune_kernels": False,
                   "dependent_launch": {"on": True, "off": False, "model": None}[args.dependent_launch]}})
 
     raw = load_images(None, 2000)

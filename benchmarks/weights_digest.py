@@ -26,25 +26,16 @@ BASE = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 2
         "optim": {"lr_per_256": 0.5, "schedule": "constant"},
         "train": {"batch_size": 16, "epochs": 2, "steps_per_epoch": 3, "eval_batch_size": 256, "device": "cpu"}}
 
-CASES = {
-    "cowmix": {"mix": {"name": "cowmix"}},
-    "cowout": {"perturb": {"name": "cowout"}},
-    "cowout+cowmix, one call a batch": {"perturb": {"name": "cowout"}, "mix": {"name": "cowmix"},
-                                        "train": {"stack_student_calls": False}},
-    "cowout+cowmix, stacked": {"perturb": {"name": "cowout"}, "mix": {"name": "cowmix"},
-                               "train": {"stack_student_calls": True}},
-    "cowmix, ghost batch norm 4": {"mix": {"name": "cowmix"}, "train": {"bn_batch": 4}},
-    "shake-shake cowmix": {"mix": {"name": "cowmix"}, "model": "wrn26_2_shakeshake",
-                           "train": {"batch_size": 4, "steps_per_epoch": 2}},
-    "cowmix, compiled": {"mix": {"name": "cowmix"}, "train": {"compile": True}},
+CASES = {   # --set overrides over BASE, as `cowtune train` takes them
+    "cowmix": ["mix.name=cowmix"],
+    "cowout": ["perturb.name=cowout"],
+    "cowout+cowmix, one call a batch": ["perturb.name=cowout", "mix.name=cowmix", "train.stack_student_calls=false"],
+    "cowout+cowmix, stacked": ["perturb.name=cowout", "mix.name=cowmix", "train.stack_student_calls=true"],
+    "cowmix, ghost batch norm 4": ["mix.name=cowmix", "train.bn_batch=4"],
+    "shake-shake cowmix": ["mix.name=cowmix", "model=wrn26_2_shakeshake", "train.batch_size=4",
+                           "train.steps_per_epoch=2"],
+    "cowmix, compiled": ["mix.name=cowmix", "train.compile=true"],
 }
-
-
-def merged(base: dict, case: dict) -> dict:
-    out = dict(base)
-    for k, v in case.items():
-        out[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return out
 
 
 def digest(state: object, h: "hashlib._Hash") -> None:
@@ -68,22 +59,24 @@ def digest(state: object, h: "hashlib._Hash") -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--only", default="", help="comma-separated case names")
+    p.add_argument("--only", action="append", default=[], metavar="CASE", help="run this case (repeatable)")
     args = p.parse_args()
 
     import torch
 
+    import copy
+
     from trainables.config import TrainConfig
+    from trainables.presets import apply_overrides
     from trainables.trainer import fit
 
     out = {}
     for name, case in CASES.items():
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only:
             continue
-        d = merged(BASE, case)
         # on a GPU, deterministic cuDNN (else two processes may time different algorithms and round differently)
-        d["train"] = {**d["train"], "device": args.device, "deterministic": args.device != "cpu"}
-        cfg = TrainConfig.from_dict(d)
+        where = [f"train.device={args.device}", f"train.deterministic={args.device != 'cpu'}"]
+        cfg = TrainConfig.from_dict(apply_overrides(copy.deepcopy(BASE), [*case, *where]))
         with tempfile.TemporaryDirectory() as tmp:
             fit(cfg, tmp, log=lambda s: None)
             ckpt = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from conftest import ROOT, import_for_triton
 
 from trainables.models.shakeshake import ShakeShakeBlock
-from trainables.models.segmented_bn import (SegmentedBatchNorm2d, batch_segments, convert_batch_norm, pairs_in_one_pass,
-                                     segmentable)
+from trainables.models.segmented_bn import (SegmentedBatchNorm2d, batch_segments, convert_batch_norm,
+                                            pairs_in_one_pass, segmentable)
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
