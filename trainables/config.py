@@ -8,6 +8,7 @@ field; ``to_dict`` goes back. Defaults follow the authors' published command-lin
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -205,7 +206,7 @@ class TrainSettings:
             for name, plain in PLAIN_TRAIN.items():
                 value = getattr(self, name)
                 check(value in (defaults[name], plain), f"train.{name}",
-                      f"be {plain!r} or left out: train.fast is false (the plain step)", value)
+                      f"be {json.dumps(plain)} or left out: train.fast is false (the plain step)", value)
                 object.__setattr__(self, name, plain)
 
 
