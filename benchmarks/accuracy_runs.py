@@ -9,7 +9,11 @@ calls, prints one table of where each run is and writes every run's per-epoch me
     python benchmarks/accuracy_runs.py plot $OUT/curves.json --out docs/results/wrn28_2_paths.png   # here
 
 Each run is a plain ``cowtune train`` command (``commands.txt`` in the run folder lists them), so any number in
-docs/RESULTS.md can be reproduced one run at a time as well.
+docs/RESULTS.md can be reproduced one run at a time as well. With ``--world N`` each run is instead one
+``benchmarks/data_parallel_epoch.py`` command, the run split over N local GPUs (the 27M model's runs):
+
+    python benchmarks/accuracy_runs.py launch --plan ss96_300 --only ceiling_s0 --world 2 --data .devdata/train.zip \
+        --dir /tmp/acc
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere: the repo's packages
 
 # The search's proxy for the paper's setting: CIFAR-10 JPEGs, 1,000 labels, the 5,000-image holdout.
 HOLDOUT = ["data.dataset=imagefolder", "data.n_val=5000", "data.eval_split=val", "data.n_labeled=1000"]
@@ -153,7 +159,15 @@ def _plan_mix_gate(epochs: int) -> dict[str, list[str]]:
                                ("alpha995", ["teacher.alpha=0.995"]))}
 
 
-PLANS = {"mix_gate": (_plan_mix_gate, 300), "box_methods": (_plan_box_methods, 300),
+def _plan_ss96_300(epochs: int) -> dict[str, list[str]]:
+    """The paper's 27M model at its length (launch with --world 2: one run at a time fits a 30-minute lease): every
+    label, the ceiling that CowMix's 1,000-label error (11.08% at epoch 256, seed 0) is a ratio of; CowMix on a second
+    seed."""
+    base = ["model=wrn26_6_shakeshake", *HOLDOUT, *_schedule(epochs), *FAST]
+    return {"ceiling_s0": [*base, *SUPERVISED, "data.n_labeled=45000", "seed=0"], "cowmix_s1": [*base, "seed=1"]}
+
+
+PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "box_methods": (_plan_box_methods, 300),
          "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0),
          "paper_order": (_plan_paper_order, 300),
          "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60),
@@ -174,12 +188,20 @@ def launch(args: argparse.Namespace) -> None:
     for name, overrides in runs.items():
         config = next((o.split("=", 1)[1] for o in overrides if o.startswith("config=")), args.config)
         overrides = [o for o in overrides if not o.startswith("config=")]   # a run's own preset, if it names one
-        cmd = [sys.executable, "-m", "trainables.cli", "train", config, "--out", str(root / name),
-               "--set", f"data.root={data}"] + [a for o in overrides + list(args.set) for a in ("--set", o)]
+        sets = [f"data.root={data}", *overrides, *args.set]
+        if args.world > 1:   # the whole run (its train.epochs), its state written once at the end (320 MB at 27M)
+            from trainables.presets import load_config
+            epochs = load_config(config, sets).train.epochs
+            cmd = [sys.executable, str(Path(__file__).with_name("data_parallel_epoch.py")), config, "--world",
+                   str(args.world), "--epochs", str(epochs), "--save-every", str(epochs), "--out", str(root / name)]
+        else:
+            cmd = [sys.executable, "-m", "trainables.cli", "train", config, "--out", str(root / name)]
+        cmd += [a for o in sets for a in ("--set", o)]
         log = open(root / f"{name}.log", "w")
         subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines.append(f"{name}: cowtune train {config} --set data.root={args.data} "
+        how = f"data_parallel_epoch.py --world {args.world}" if args.world > 1 else "cowtune train"
+        lines.append(f"{name}: {how} {config} --set data.root={args.data} "
                      + " ".join(f"--set {o}" for o in overrides + list(args.set)))
     (root / "commands.txt").write_text("\n".join(lines) + "\n")
     (root / "plan.json").write_text(json.dumps({"plan": args.plan, "runs": runs, "started": _now()}, indent=1))
@@ -215,7 +237,7 @@ def collect(root: Path) -> dict:
         history = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         log = (root / f"{name}.log").read_text(errors="replace").splitlines() if (root / f"{name}.log").exists() else []
         runs[name] = {"overrides": plan["runs"][name], "history": history, "log_tail": log[-6:],
-                      "done": (root / name / "result.json").exists()}
+                      "done": any((root / name / f).exists() for f in ("result.json", "summary.json"))}
     return {"plan": plan["plan"], "started": plan["started"], "machine": _machine(),
             "commands": (root / "commands.txt").read_text(), "runs": runs}
 
@@ -296,6 +318,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, help="schedule length (default: the plan's)")
     p.add_argument("--only", help="comma-separated run names of the plan")
     p.add_argument("--set", action="append", default=[], help="an override added to every run")
+    p.add_argument("--world", type=int, default=1, help="GPUs each run is split over (data-parallel; default 1)")
     p.set_defaults(func=launch)
     p = sub.add_parser("watch", help="print a table every --every s until done or --seconds pass; write curves")
     p.add_argument("--dir", required=True)

@@ -14,6 +14,7 @@ step's glue compiled with Inductor.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import sys
@@ -63,8 +64,6 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-
-    import copy
 
     from trainables.config import TrainConfig
     from trainables.presets import apply_overrides
