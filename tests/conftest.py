@@ -88,9 +88,15 @@ if importlib.util.find_spec("xdist"):
 
 TIMELINE = os.environ.get("COWTUNE_TEST_TIMELINE")   # a file: when each test started and ended, on which worker
 if TIMELINE:
+    import resource
+
     def _mark(event: str, what: str) -> None:
+        """One line: the time, the worker, the event, the CPU seconds so far of the worker and of the children it
+        waited for (a test's CPU time is the difference between its start and end), and the test."""
+        cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for f in ("ru_utime", "ru_stime"))
         with open(TIMELINE, "a") as f:
-            f.write(f"{time.time():.2f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {what}\n")
+            f.write(f"{time.time():.2f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {cpu:.2f} {what}\n")
 
     def pytest_sessionstart(session):
         _mark("session", "start")
