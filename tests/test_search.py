@@ -1,6 +1,7 @@
-"""End to end on real services: a tiny search on a local Ray node recorded by an `mlflow server`,
+"""End to end on real services: a tiny search on a local Ray node recorded by an `mlflow server`, what it prints,
 then `cowtune promote` and `cowtune final` on its result."""
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from conftest import ROOT, run_checked, run_search_script
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.curves import learning_curve_png
+from trainables.search import progress
 
 pytestmark = pytest.mark.slow
 COWTUNE = [sys.executable, "-m", "trainables.cli"]
@@ -30,9 +32,30 @@ def runs_of(uri, name):
 @pytest.fixture(scope="module")
 def search(search_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("search")
+    env = {k: v for k, v in search_env.items() if k != progress.ENGINE_ENV}   # the output users get by default
     out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "3", "--concurrency", "1",
-                                                  "--name", "e2e", "--storage", str(tmp / "ray")], search_env, tmp)
+                                                  "--name", "e2e", "--storage", str(tmp / "ray")], env, tmp)
     return tmp, out
+
+
+def test_the_search_prints_a_short_table(search):
+    """The compact progress table (trainables/search/progress.py), not Ray Tune's boxes and per-epoch lines."""
+    out = search[1]
+    lines = (out.stdout + out.stderr).splitlines()
+    assert len(lines) < 60, out.stdout + out.stderr
+    text = out.stdout
+    assert re.search(r"^\[0:\d\d:\d\d\] e2e: 3 trials: \d running, \d terminated, \d pruned, 0 errored, \d pending$",
+                     text, re.M), text
+    assert re.search(r"^  trial +state +epoch +last +best +sigma_range +prop_range +weight +conf_thresh +alpha$",
+                     text, re.M), text
+    assert re.search(r"^  [0-9a-f]{8}  terminated +2/2  0\.\d{4}  0\.\d{4}  4\.\.16 ", text, re.M), text  # paper point
+    assert re.search(r"^search e2e finished after \S+: 3 terminated, 0 pruned by ASHA, 0 errored; best ", text, re.M)
+    assert "done: 3 trials (0 failed)" in text and "best trial " in text
+    assert "Trial status" not in text and "Configuration for experiment" not in text
+    assert not re.search(r"\] epoch \d+/\d+ \|", text + out.stderr)          # no per-epoch lines of the trials
+    assert "Checkpoint successfully created" not in out.stderr
+    assert text.count("View run ") == 1                   # MLflow's link to the parent run only (a tracking server)
+    assert not set("╭╮╰╯│├┤─┼") & set(text)
 
 
 def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server, tmp_path):
@@ -256,8 +279,8 @@ def test_embedded_defaults_and_a_relative_data_path(tmp_path, digits_tree):
     import os
     import shutil
     shutil.copytree(digits_tree, tmp_path / "mydata")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
+    shared = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "COWTUNE_STORAGE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+    env = {k: v for k, v in os.environ.items() if k not in shared}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     out = run_search_script("cifar10_cowout.py", ["--smoke-test", "--trials", "1", "--data", "mydata", "--set",
                                                   "data.dataset=imagefolder", "--set", "data.n_val=30",

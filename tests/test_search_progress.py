@@ -1,6 +1,6 @@
 """The search's compact progress table (trainables/search/progress.py): its formatting on synthetic trials, its
-throttling, what it quietens and puts back, the --ray-output flag; and two real smoke searches, one with the
-table (short output) and one with Ray Tune's own output."""
+throttling, what it quietens and puts back, the --ray-output flag; and a real smoke search with Ray Tune's own
+output (the table's own real search is test_search.py's: test_the_search_prints_a_short_table)."""
 import logging
 import os
 import pickle
@@ -254,28 +254,6 @@ def test_pickles_with_the_run_config_without_run_state(clock):
         assert q._seen == {} and os.environ[progress.ENGINE_ENV] == "0"   # a restored search stays quiet too
     progress.restore_engine()
     assert progress.ENGINE_ENV not in os.environ
-
-
-@pytest.mark.slow
-def test_smoke_search_prints_a_short_table(search_env, tmp_path):
-    out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "3", "--concurrency", "1",
-                                                  "--no-compile-ahead", "--name", "prog", "--storage",
-                                                  str(tmp_path / "ray")], without_engine_env(search_env), tmp_path)
-    lines = (out.stdout + out.stderr).splitlines()
-    assert len(lines) < 60, out.stdout + out.stderr
-    text = out.stdout
-    assert re.search(r"^\[0:\d\d:\d\d\] prog: 3 trials: \d running, \d terminated, \d pruned, 0 errored, \d pending$",
-                     text, re.M), text
-    assert re.search(r"^  trial +state +epoch +last +best +sigma_range +prop_range +weight +conf_thresh +alpha$",
-                     text, re.M), text
-    assert re.search(r"^  [0-9a-f]{8}  terminated +2/2  0\.\d{4}  0\.\d{4}  4\.\.16 ", text, re.M), text  # paper point
-    assert re.search(r"^search prog finished after \S+: 3 terminated, 0 pruned by ASHA, 0 errored; best ", text, re.M)
-    assert "done: 3 trials (0 failed)" in text and "best trial " in text
-    assert "Trial status" not in text and "Configuration for experiment" not in text
-    assert not re.search(r"\] epoch \d+/\d+ \|", text + out.stderr)          # no per-epoch lines of the trials
-    assert "Checkpoint successfully created" not in out.stderr
-    assert text.count("View run ") == 1                   # MLflow's link to the parent run only (a tracking server)
-    assert not BOX & set(text)
 
 
 @pytest.mark.slow
