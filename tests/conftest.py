@@ -114,6 +114,17 @@ if TIMELINE:
         _mark("session", "end")
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """A test that trains with ``train.threads`` sets the process's thread count (as `cowtune train` should): put it
+    back after the test, so that the tests after it on the same worker run as they would alone."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 def import_for_triton(module: str, interpreted: bool):
     """``module`` (re)imported with its Triton kernels defined for Triton's interpreter (CPU tensors) or its compiler.
     Triton decides when ``@triton.jit`` runs, i.e. at import, so TRITON_INTERPRET is set (or unset) around the import

@@ -97,5 +97,8 @@ def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout
     reference.load_state_dict(a)
     folded = create_model("wrn26_2_shakeshake", 10)
     folded.load_state_dict(reference.state_dict())   # the straight run's biases folded as the resume folded them
+    # to rounding: the folded biases change float32's order of operations, and four steps at LR 0.5 on 4 images
+    # carry that to 2e-5 on weights of 0.1-0.4 with one CPU thread (7e-7 with two); a bias dropped instead of
+    # folded moves its batch norm's running mean by up to 2e-3
     for k, v in folded.state_dict().items():
-        torch.testing.assert_close(b["student"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(b["student"][k], v, rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
