@@ -1,7 +1,7 @@
 """A short CowMix run on real data beats supervised-only training on the same labels.
 
 scikit-learn's digits (1,797 real 8x8 scans, upsampled to 32x32 and resized to 12x12 on the device, where a run
-takes a seventh of the time at 32x32): 30 labels (3 per class), 500 held out for validation, the rest unlabeled.
+takes a sixth of the time at 32x32): 30 labels (3 per class), 500 held out for validation, the rest unlabeled.
 Three seeds, the same labels for both methods within a seed; one CPU thread, so the numbers do not depend on the
 machine's core count (a second thread took a third more CPU time for 4% less wall time alone, and on CI's 2 cores
 the other test worker needs that core). CowMask scales 1.5-6 px: the paper's 4-16 at 32x32, scaled to 12 px.
