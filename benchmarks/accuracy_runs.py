@@ -190,6 +190,13 @@ PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "
          "wrn28_2_jpeg": (_plan_wrn28_2_jpeg, 60), "shakeshake": (_plan_shakeshake, 120)}
 
 
+def run_settings(overrides: list[str], config: str, data: str, extra: list[str] = ()) -> tuple[str, list[str]]:
+    """A plan run's preset (its own ``config=...`` if it names one, else ``config``) and its ``--set`` overrides:
+    the data first, then the run's, then those added to every run."""
+    preset = next((o.split("=", 1)[1] for o in overrides if o.startswith("config=")), config)
+    return preset, [f"data.root={data}", *(o for o in overrides if not o.startswith("config=")), *extra]
+
+
 def launch(args: argparse.Namespace) -> None:
     builder, default_epochs = PLANS[args.plan]
     runs = builder(args.epochs or default_epochs)
@@ -200,9 +207,7 @@ def launch(args: argparse.Namespace) -> None:
     data = str(Path(args.data).resolve())
     lines = []
     for name, overrides in runs.items():
-        config = next((o.split("=", 1)[1] for o in overrides if o.startswith("config=")), args.config)
-        overrides = [o for o in overrides if not o.startswith("config=")]   # a run's own preset, if it names one
-        sets = [f"data.root={data}", *overrides, *args.set]
+        config, sets = run_settings(overrides, args.config, data, args.set)
         if args.world > 1:   # the whole run (its train.epochs), its state written once at the end (320 MB at 27M)
             from trainables.presets import load_config
             epochs = load_config(config, sets).train.epochs
@@ -215,8 +220,8 @@ def launch(args: argparse.Namespace) -> None:
         subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
         how = f"data_parallel_epoch.py --world {args.world}" if args.world > 1 else "cowtune train"
-        lines.append(f"{name}: {how} {config} --set data.root={args.data} "
-                     + " ".join(f"--set {o}" for o in overrides + list(args.set)))
+        lines.append(f"{name}: {how} {config} " + " ".join(f"--set {o}" for o in run_settings(
+            overrides, args.config, args.data, args.set)[1]))
     (root / "commands.txt").write_text("\n".join(lines) + "\n")
     (root / "plan.json").write_text(json.dumps({"plan": args.plan, "runs": runs, "started": _now()}, indent=1))
     print(f"launched {len(runs)} runs of {args.plan} in {root}")

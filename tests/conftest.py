@@ -320,6 +320,12 @@ def search_env(mlflow_server, ray_head, ray_token_env, tmp_path_factory):
             "PYTHONUNBUFFERED": "1", "COWTUNE_CACHE": str(tmp_path_factory.mktemp("cache"))}
 
 
+def without_engine_env(env: dict) -> dict:
+    """``env`` without RAY_AIR_NEW_OUTPUT (``trainables.search.progress.ENGINE_ENV``): the output users get by
+    default, whatever the environment the tests started in."""
+    return {k: v for k, v in env.items() if k != "RAY_AIR_NEW_OUTPUT"}
+
+
 def run_search_script(script: str, args: list[str], env: dict, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_checked([sys.executable, str(ROOT / "search_spaces" / script), *args], env, cwd, timeout)
 

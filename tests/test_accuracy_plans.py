@@ -22,9 +22,7 @@ def test_every_run_of_the_plan_resolves_to_a_config(plan):
     runs = builder(epochs or 300)
     assert runs, f"plan {plan} has no runs"
     for name, overrides in runs.items():
-        preset = next((o.split("=", 1)[1] for o in overrides if o.startswith("config=")), "cifar10_cowmix")
-        sets = ["data.root=/tmp/train.zip", *[o for o in overrides if not o.startswith("config=")]]
-        cfg = load_config(preset, sets)
+        cfg = load_config(*accuracy_runs.run_settings(overrides, "cifar10_cowmix", "/tmp/train.zip"))
         check_model(cfg.model)
         assert cfg.data.n_val == 5000 and cfg.data.eval_split == "val", f"{plan}/{name} does not score the holdout"
         if any(o.startswith("train.epochs=") for o in overrides):

@@ -10,11 +10,10 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, run_checked, run_search_script
+from conftest import ROOT, run_checked, run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.curves import learning_curve_png
-from trainables.search import progress
 
 pytestmark = pytest.mark.slow
 COWTUNE = [sys.executable, "-m", "trainables.cli"]
@@ -32,9 +31,9 @@ def runs_of(uri, name):
 @pytest.fixture(scope="module")
 def search(search_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("search")
-    env = {k: v for k, v in search_env.items() if k != progress.ENGINE_ENV}   # the output users get by default
     out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "3", "--concurrency", "1",
-                                                  "--name", "e2e", "--storage", str(tmp / "ray")], env, tmp)
+                                                  "--name", "e2e", "--storage", str(tmp / "ray")],
+                            without_engine_env(search_env), tmp)
     return tmp, out
 
 

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from conftest import run_search_script
+from conftest import run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.search import progress
 from trainables.search.intervals import Float
@@ -35,10 +35,6 @@ def engine_env(monkeypatch):
     monkeypatch.delenv(progress.ENGINE_ENV)
     yield
     progress.restore_engine()
-
-
-def without_engine_env(env):
-    return {k: v for k, v in env.items() if k != progress.ENGINE_ENV}
 
 
 class Clock:
@@ -254,6 +250,10 @@ def test_pickles_with_the_run_config_without_run_state(clock):
         assert q._seen == {} and os.environ[progress.ENGINE_ENV] == "0"   # a restored search stays quiet too
     progress.restore_engine()
     assert progress.ENGINE_ENV not in os.environ
+
+
+def test_the_tests_search_env_drops_the_engine_variable_progress_sets():
+    assert without_engine_env({progress.ENGINE_ENV: "0", "PATH": "/bin"}) == {"PATH": "/bin"}
 
 
 @pytest.mark.slow
