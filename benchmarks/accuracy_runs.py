@@ -14,6 +14,9 @@ docs/RESULTS.md can be reproduced one run at a time as well. With ``--world N`` 
 
     python benchmarks/accuracy_runs.py launch --plan ss96_300 --only ceiling_s0 --world 2 --data .devdata/train.zip \
         --dir /tmp/acc
+
+With ``--gpus 0,1`` the one-GPU runs are dealt round-robin over those GPUs (each run's ``CUDA_VISIBLE_DEVICES``),
+one launch folder and one watcher for them all.
 """
 from __future__ import annotations
 
@@ -197,11 +200,28 @@ def run_settings(overrides: list[str], config: str, data: str, extra: list[str] 
     return preset, [f"data.root={data}", *(o for o in overrides if not o.startswith("config=")), *extra]
 
 
+def place_on_gpus(names: list[str], gpus: str | None) -> dict[str, str | None]:
+    """Each run's ``CUDA_VISIBLE_DEVICES`` for ``--gpus 0,1``: the runs dealt round-robin over the GPUs in the
+    plan's order (None: every run sees every GPU)."""
+    if not gpus:
+        return {name: None for name in names}
+    ids = gpus.split(",")
+    if not all(i.strip().isdigit() for i in ids):
+        raise SystemExit(f"--gpus {gpus!r}: expected comma-separated GPU indices, e.g. 0,1")
+    return {name: ids[k % len(ids)].strip() for k, name in enumerate(names)}
+
+
 def launch(args: argparse.Namespace) -> None:
     builder, default_epochs = PLANS[args.plan]
     runs = builder(args.epochs or default_epochs)
     if args.only:
+        unknown = sorted(set(args.only.split(",")) - set(runs))
+        if unknown:
+            raise SystemExit(f"--only: no run {', '.join(unknown)} in plan {args.plan} (it has {', '.join(runs)})")
         runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    if args.gpus and args.world > 1:
+        raise SystemExit("--gpus deals one-GPU runs out over GPUs; a --world run uses every GPU it sees")
+    gpu = place_on_gpus(list(runs), args.gpus)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     data = str(Path(args.data).resolve())
@@ -217,9 +237,10 @@ def launch(args: argparse.Namespace) -> None:
             cmd = [sys.executable, "-m", "trainables.cli", "train", config, "--out", str(root / name)]
         cmd += [a for o in sets for a in ("--set", o)]
         log = open(root / f"{name}.log", "w")
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": gpu[name]} if gpu[name] else {})}
+        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         how = f"data_parallel_epoch.py --world {args.world}" if args.world > 1 else "cowtune train"
+        how = f"CUDA_VISIBLE_DEVICES={gpu[name]} {how}" if gpu[name] else how
         lines.append(f"{name}: {how} {config} " + " ".join(f"--set {o}" for o in run_settings(
             overrides, args.config, args.data, args.set)[1]))
     (root / "commands.txt").write_text("\n".join(lines) + "\n")
@@ -339,6 +360,7 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated run names of the plan")
     p.add_argument("--set", action="append", default=[], help="an override added to every run")
     p.add_argument("--world", type=int, default=1, help="GPUs each run is split over (data-parallel; default 1)")
+    p.add_argument("--gpus", help="deal the runs round-robin over these GPUs, e.g. 0,1 (default: all on the first)")
     p.set_defaults(func=launch)
     p = sub.add_parser("watch", help="print a table every --every s until done or --seconds pass; write curves")
     p.add_argument("--dir", required=True)

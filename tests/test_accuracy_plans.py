@@ -35,3 +35,23 @@ def test_the_jpeg_plan_pairs_each_method_at_both_qualities():
     for method in ("sup", "cowmix", "cowout"):
         q75, q30 = runs[f"{method}_q75"], runs[f"{method}_q30"]
         assert q30 == [*q75, "data.root=/tmp/cowtune-q30.zip"], "the pair differs in more than the data"
+
+
+def test_gpus_deal_the_runs_round_robin_in_the_plans_order():
+    names = ["cowmix_q75", "cowmix_q30", "cowout_q75"]
+    assert accuracy_runs.place_on_gpus(names, "0,1") == {"cowmix_q75": "0", "cowmix_q30": "1", "cowout_q75": "0"}
+    assert accuracy_runs.place_on_gpus(names, None) == dict.fromkeys(names)
+    with pytest.raises(SystemExit, match="expected comma-separated GPU indices"):
+        accuracy_runs.place_on_gpus(names, "0,gpu1")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--only", "cowmix_q75,cowmix_q50"], "no run cowmix_q50 in plan ss96_jpeg"),
+    (["--gpus", "0,1", "--world", "2"], "--gpus deals one-GPU runs out over GPUs"),
+])
+def test_launch_refuses_a_bad_selection_before_starting_anything(tmp_path, monkeypatch, argv, says):
+    monkeypatch.setattr("sys.argv", ["accuracy_runs.py", "launch", "--plan", "ss96_jpeg", "--data", "/tmp/train.zip",
+                                     "--dir", str(tmp_path / "acc"), *argv])
+    with pytest.raises(SystemExit, match=says):
+        accuracy_runs.main()
+    assert not (tmp_path / "acc").exists()
