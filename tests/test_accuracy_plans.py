@@ -31,8 +31,9 @@ def test_every_run_of_the_plan_resolves_to_a_config(plan):
 
 def test_the_jpeg_plan_pairs_each_method_at_both_qualities():
     runs = accuracy_runs.PLANS["ss96_jpeg"][0](60)
-    assert sorted(runs) == ["cowmix_q30", "cowmix_q75", "cowout_q30", "cowout_q75", "sup_q30", "sup_q75"]
-    for method in ("sup", "cowmix", "cowout"):
+    assert sorted(runs) == ["cowmix_q30", "cowmix_q75", "cowout_q30", "cowout_q75", "cutmix_q30", "cutmix_q75",
+                            "sup_q30", "sup_q75"]
+    for method in ("sup", "cowmix", "cowout", "cutmix"):
         q75, q30 = runs[f"{method}_q75"], runs[f"{method}_q30"]
         assert q30 == [*q75, "data.root=/tmp/cowtune-q30.zip"], "the pair differs in more than the data"
 
