@@ -216,10 +216,11 @@ def launch(args: argparse.Namespace) -> None:
     builder, default_epochs = PLANS[args.plan]
     runs = builder(args.epochs or default_epochs)
     if args.only:
-        unknown = sorted(set(args.only.split(",")) - set(runs))
+        only = args.only.split(",")
+        unknown = sorted(set(only) - set(runs))
         if unknown:
             raise SystemExit(f"--only: no run {', '.join(unknown)} in plan {args.plan} (it has {', '.join(runs)})")
-        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+        runs = {k: v for k, v in runs.items() if k in only}
     if args.gpus and args.world > 1:
         raise SystemExit("--gpus deals one-GPU runs out over GPUs; a --world run uses every GPU it sees")
     gpu = place_on_gpus(list(runs), args.gpus)

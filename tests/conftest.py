@@ -320,6 +320,9 @@ def search_env(mlflow_server, ray_head, ray_token_env, tmp_path_factory):
             "PYTHONUNBUFFERED": "1", "COWTUNE_CACHE": str(tmp_path_factory.mktemp("cache"))}
 
 
+BOX = set("╭╮╰╯│├┤─┼")   # Ray Tune's boxed status tables: the search's own progress table draws none
+
+
 def without_engine_env(env: dict) -> dict:
     """``env`` without RAY_AIR_NEW_OUTPUT (``trainables.search.progress.ENGINE_ENV``): the output users get by
     default, whatever the environment the tests started in."""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, run_checked, run_search_script, without_engine_env
+from conftest import BOX, ROOT, run_checked, run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.curves import learning_curve_png
@@ -54,7 +54,7 @@ def test_the_search_prints_a_short_table(search):
     assert not re.search(r"\] epoch \d+/\d+ \|", text + out.stderr)          # no per-epoch lines of the trials
     assert "Checkpoint successfully created" not in out.stderr
     assert text.count("View run ") == 1                   # MLflow's link to the parent run only (a tracking server)
-    assert not set("╭╮╰╯│├┤─┼") & set(text)
+    assert not BOX & set(text)
 
 
 def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server, tmp_path):

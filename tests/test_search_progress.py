@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from conftest import run_search_script, without_engine_env
+from conftest import BOX, run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.search import progress
 from trainables.search.intervals import Float
@@ -17,7 +17,6 @@ from trainables.search.settings import SearchSettings, parse_args
 
 PARAMS = ["mix.sigma_range", "mix.weight", "teacher.alpha"]
 ERR = M.VAL_ERROR_TEACHER
-BOX = set("╭╮╰╯│├┤─┼")
 
 
 class FakeTrial:
