@@ -184,6 +184,21 @@ def _plan_ss96_jpeg(epochs: int) -> dict[str, list[str]]:
             for q in ("q75", "q30")}
 
 
+def _plan_wrn28_2_noise(epochs: int) -> dict[str, list[str]]:
+    """How noisy one search trial is and how well short trials rank long ones (issue 53's first step): the paper's
+    WRN-28-2 CowMix recipe on four seeds, and seven variants aimed at where its noise lives (the early bimodal
+    start: LR warm-up, a lower LR, a smaller omega; the late drift as the LR drops: a stricter gate, a slower or
+    annealed teacher) on two seeds each. Seeds pair the runs: seed N is the same labeled subset, initialisation and
+    data order in every config."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST]
+    variants = {"paper": [], "warmup5": ["optim.warmup_epochs=5"], "lr02": ["optim.lr_per_256=0.02"],
+                "w10": ["mix.weight=10"], "conf8": ["mix.conf_thresh=0.8"], "alpha99": ["teacher.alpha=0.99"],
+                "anneal": ["teacher.anneal=true"],
+                "steady": ["optim.warmup_epochs=5", "teacher.anneal=true", "mix.conf_thresh=0.8"]}
+    return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for name, sets in variants.items()
+            for seed in ((0, 1, 2, 3) if name == "paper" else (0, 1))}
+
+
 PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "ss96_jpeg": (_plan_ss96_jpeg, 60),
          "box_methods": (_plan_box_methods, 300),
          "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0),
@@ -191,7 +206,8 @@ PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "
          "wrn28_2_stabilisers": (_plan_wrn28_2_stabilisers, 300), "wrn28_2_paths": (_plan_wrn28_2_paths, 60),
          "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
          "wrn28_2_full": (_plan_wrn28_2_full, 300), "wrn28_2_precision": (_plan_wrn28_2_precision, 60),
-         "wrn28_2_jpeg": (_plan_wrn28_2_jpeg, 60), "shakeshake": (_plan_shakeshake, 120)}
+         "wrn28_2_jpeg": (_plan_wrn28_2_jpeg, 60), "shakeshake": (_plan_shakeshake, 120),
+         "wrn28_2_noise": (_plan_wrn28_2_noise, 60)}
 
 
 def run_settings(overrides: list[str], config: str, data: str, extra: list[str] = ()) -> tuple[str, list[str]]:
