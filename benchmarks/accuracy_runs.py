@@ -188,7 +188,7 @@ def _plan_wrn28_2_noise(epochs: int) -> dict[str, list[str]]:
     """How noisy one search trial is and how well short trials rank long ones (issue 53's first step): the paper's
     WRN-28-2 CowMix recipe on four seeds, and seven variants aimed at where its noise lives (the early bimodal
     start: LR warm-up, a lower LR, a smaller omega; the late drift as the LR drops: a stricter gate, a slower or
-    annealed teacher) on two seeds each. Seeds pair the runs: seed N is the same labeled subset, initialisation and
+    annealed teacher) on two seeds each (the three together, "steady", on four). Seeds pair the runs: seed N is the same labeled subset, initialisation and
     data order in every config."""
     base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST]
     variants = {"paper": [], "warmup5": ["optim.warmup_epochs=5"], "lr02": ["optim.lr_per_256=0.02"],
@@ -196,7 +196,7 @@ def _plan_wrn28_2_noise(epochs: int) -> dict[str, list[str]]:
                 "anneal": ["teacher.anneal=true"],
                 "steady": ["optim.warmup_epochs=5", "teacher.anneal=true", "mix.conf_thresh=0.8"]}
     return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for name, sets in variants.items()
-            for seed in ((0, 1, 2, 3) if name == "paper" else (0, 1))}
+            for seed in ((0, 1, 2, 3) if name in ("paper", "steady") else (0, 1))}
 
 
 PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "ss96_jpeg": (_plan_ss96_jpeg, 60),

@@ -84,7 +84,7 @@ def test_search_job_runs_trials_on_two_nodes(mlflow_server, ray_token_env, tmp_p
         out = submit_job([str(BIN / "ray"), "job", "submit", f"--address=http://127.0.0.1:{dash}",
                           f"--runtime-env-json={json.dumps(runtime_env)}", "--",
                           str(BIN / "python"), str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
-                          "--trials", "2", "--set", "train.steps_per_epoch=150", "--name", "cluster",
+                          "--trials", "2", "--set", "train.steps_per_epoch=150", "--no-confirm", "--name", "cluster",
                           "--storage", str(tmp_path / "shared_storage")],
                          {**os.environ, **ray_token_env}, tmp_path)
         assert "done: 2 trials (0 failed)" in out.stdout, out.stdout[-3000:]
@@ -228,7 +228,7 @@ def test_ray_up_submit_down_run_a_search_on_the_launched_cluster(ssh_node, mlflo
         probe = ray("exec", "--no-config-cache", str(config), f'python -c "{code}"')   # a login shell, as submit's
         node_id, trainables_file = re.search(r"probe (\w+) (\S+)", probe.stdout).groups()
         out = ray("submit", "--no-config-cache", str(config), str(ROOT / "search_spaces" / "cifar10_cowmix.py"),
-                  "--", "--smoke-test", "--trials", "2", "--name", "ray-submit")
+                  "--", "--smoke-test", "--trials", "2", "--no-confirm", "--name", "ray-submit")
     finally:
         down = ray("down", "-y", str(config), check=False)          # (down has no --no-config-cache)
         left = subprocess.run(ssh_node.ssh("ps -eo comm="), capture_output=True, text=True, timeout=60).stdout.split()

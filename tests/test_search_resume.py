@@ -29,7 +29,7 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
                                                                     tmp_path):
     if optuna_storage:
         search_env = {**search_env, "COWTUNE_OPTUNA_STORAGE": optuna_storage}
-    args = ["--smoke-test", "--trials", "4", "--epochs", "3", "--set", "train.steps_per_epoch=12",
+    args = ["--smoke-test", "--trials", "4", "--epochs", "3", "--set", "train.steps_per_epoch=12", "--no-confirm",
             "--name", "resume", "--storage", str(tmp_path / "ray")]
     client = MlflowClient(mlflow_server)
     with open(tmp_path / "first.log", "w") as log:

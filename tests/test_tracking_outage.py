@@ -90,7 +90,7 @@ def test_a_search_trains_on_while_mlflow_is_away_and_records_every_epoch_once(se
     server = start_mlflow_server(store, port)
     env = {**search_env, "MLFLOW_TRACKING_URI": uri}
     args = ["--smoke-test", "--trials", "1", "--epochs", "8", "--set", "train.steps_per_epoch=60", "--no-compile-ahead",
-            "--name", "away", "--storage", str(tmp_path / "ray")]
+            "--no-confirm", "--name", "away", "--storage", str(tmp_path / "ray")]
     client = MlflowClient(uri)
     try:
         with open(tmp_path / "search.log", "w") as log:

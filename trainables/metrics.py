@@ -29,3 +29,15 @@ def eval_key(split: str, what: str, model: str) -> str:
 
 VAL_ERROR_TEACHER = eval_key("val", "error", "teacher")   # the search objective
 VAL_ERROR_STUDENT = eval_key("val", "error", "student")
+
+
+def mean_of_last(metric: str, epochs: int) -> str:
+    """The name of ``metric`` averaged over the last ``epochs`` epochs, e.g. "val/error_teacher_mean6" (a search's
+    objective less noisy than the last epoch's value: ``SearchSettings.mean_of_last``); ``metric`` itself for 1."""
+    return metric if epochs == 1 else f"{metric}_mean{epochs}"
+
+
+def window_mean(history: list[dict[str, float]], metric: str, epochs: int) -> float:
+    """``metric`` averaged over the last ``epochs`` rows of ``history`` (one row an epoch; fewer at the start)."""
+    values = [row[metric] for row in history[-epochs:]]
+    return sum(values) / len(values)

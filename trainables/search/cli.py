@@ -30,7 +30,7 @@ def _labels(text: str) -> list[int]:
 def _cmd_promote(args: argparse.Namespace) -> int:
     from trainables.search.promote import promote
 
-    info = promote(args.search, args.out, alias=args.alias, model_name=args.model_name)
+    info = promote(args.search, args.out, alias=args.alias, model_name=args.model_name, unconfirmed=args.unconfirmed)
     print(json.dumps(info, indent=2))
     print(f"promoted config written to {args.out}; registered as {info['model']} (version {info['version']})")
     return 0
@@ -67,11 +67,13 @@ def _cmd_upload(args: argparse.Namespace) -> int:
 
 
 def add_search_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("promote", help="register the best trial of a search and write its config")
+    p = sub.add_parser("promote", help="register the confirmed best config of a search and write it")
     p.add_argument("--search", required=True, help="search name (the MLflow experiment), e.g. cifar10_cowmix")
     p.add_argument("--out", default="promoted.yaml", help="promoted config file (default promoted.yaml)")
     p.add_argument("--alias", default="champion", help="model registry alias (default champion)")
     p.add_argument("--model-name", help="registered model name (default: the search name)")
+    p.add_argument("--unconfirmed", action="store_true",
+                   help="a search without a confirm stage: promote its single best trial (one seed: partly luck)")
     p.set_defaults(func=_cmd_promote)
 
     f = sub.add_parser("final", help="train the promoted config on datasets x label counts x seeds; test-split table")

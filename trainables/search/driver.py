@@ -25,13 +25,15 @@ from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.search import compile_ahead
 from trainables.search import outbox, progress, studies, summary, tracking
+from trainables.search.confirm import run_confirm
 from trainables.search.experiments import FinishChildRuns, open_experiment
+from trainables.search.gate import Confirm
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
 from trainables.search.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
-__all__ = ["HOLDOUT", "SearchSettings", "run_search"]
+__all__ = ["Confirm", "HOLDOUT", "SearchSettings", "run_search"]
 
 
 _trial_dirname = lambda trial: f"{trial.trainable_name}_{trial.trial_id}"   # noqa: E731 - not the config: long paths
@@ -75,7 +77,9 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
          exp_path: str, parent_id: str, restoring: bool, round_: studies.Round, study_db: Any) -> Any:
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
-            "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0)}
+            "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
+            "mean_of_last": settings.mean_of_last, "metric": settings.metric}
+    objective = settings.objective
     trainable = tune.with_resources(train_trial, resources)
     print(f"search {plan.name}: {plan.num_samples} trials x {plan.epochs} epochs, {resources} per trial, grace "
           f"{plan.grace} epochs; MLflow {uri} (parent run {parent_id}); Ray results {exp_path}"
@@ -83,11 +87,11 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     if restoring:
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
-        searcher = studies.BudgetAwareOptunaSearch(space, plan.epochs, metric=settings.metric, mode=settings.mode,
+        searcher = studies.BudgetAwareOptunaSearch(space, plan.epochs, metric=objective, mode=settings.mode,
                                            points_to_evaluate=None if round_.index else plan.points,
                                            sampler=optuna.samplers.TPESampler(seed=plan.seed + round_.index),
                                            study_name=plan.name, storage=study_db)
-        scheduler = tune.schedulers.ASHAScheduler(time_attr=M.EPOCH, metric=settings.metric, mode=settings.mode,
+        scheduler = tune.schedulers.ASHAScheduler(time_attr=M.EPOCH, metric=objective, mode=settings.mode,
                                                   max_t=plan.epochs, grace_period=plan.grace,
                                                   reduction_factor=settings.reduction_factor,
                                                   stop_last_trials=False)
@@ -103,18 +107,20 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
                                                  *progress.callbacks(args, settings, plan, space)]))
     results = tuner.fit()
     try:
-        best = results.get_best_result(metric=settings.metric, mode=settings.mode, scope="last")
+        best = results.get_best_result(metric=objective, mode=settings.mode, scope="last")
     except RuntimeError:   # no trial reported the metric (every one failed): said below, not as a traceback
         best = None
     failed = sum(1 for r in results if r.error)
     studies.end_orphaned_trials(study := studies.load(study_db, plan.name))
-    summary.record(uri, parent_id, study, space, plan, settings.metric, round_.index)
+    summary.record(uri, parent_id, study, space, plan, objective, round_.index)
+    if best is not None and best.metrics and best.metrics.get(objective) is not None:
+        print(f"best trial {best.metrics.get('trial_id')}: {objective} = {best.metrics.get(objective):.4f} "
+              f"at epoch {best.metrics.get(M.EPOCH)} (one seed)")
+    if plan.confirm is not None and failed < len(results):   # before promotion: the finalists on fresh seeds
+        run_confirm(plan, space, settings, args, uri, experiment_id, parent_id, exp_path)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})
-    if best is not None and best.metrics and best.metrics.get(settings.metric) is not None:
-        print(f"best trial {best.metrics.get('trial_id')}: {settings.metric} = {best.metrics.get(settings.metric):.4f} "
-              f"at epoch {best.metrics.get(M.EPOCH)}")
     print(f"done: {len(results)} trials ({failed} failed). Compare them with "
           + summary.ui_link(uri, experiment_id)
           + f"; promote the best with `cowtune promote --search {plan.name}`", flush=True)

@@ -107,10 +107,10 @@ def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_paths: l
     """End as KILLED, tagged ``cowtune.orphaned``, the runs of trials that the restored Ray experiment does not
     know: the driver died after the trial started and before Ray's next snapshot of the experiment (Ray takes
     one every 10 s or more), so Ray runs that slot again under a new trial id. Kept for the record; not a
-    trial any more."""
+    trial any more. The confirm stage's runs belong to its own Ray experiments (``trainables.search.confirm``)."""
     known = {t.trial_id for path in exp_paths for t in tune.ExperimentAnalysis(path).trials}
     for r in tracking.child_runs(uri, experiment_id, parent_id):
-        if r.data.tags.get(tracking.TRIAL_TAG) not in known:
+        if r.data.tags.get(tracking.TRIAL_TAG) not in known and tracking.STAGE_TAG not in r.data.tags:
             why = "the driver died before Ray saved this trial; Ray runs its slot again as another trial"
             tracking.finish_run(uri, r.info.run_id, "KILLED", {tracking.ORPHAN_TAG: why})
             print(f"MLflow run {r.info.run_id} (trial {r.data.tags.get(tracking.TRIAL_TAG)}): {why}; ended as KILLED",

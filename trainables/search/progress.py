@@ -82,7 +82,7 @@ def callbacks(args: Any, settings: Any, plan: Any, space: dict[str, Any]) -> lis
     """The progress table's callback, none with ``--ray-output``."""
     if args.ray_output:
         return []
-    return [SearchProgress(plan.name, settings.metric, settings.mode, plan.epochs,
+    return [SearchProgress(plan.name, settings.objective, settings.mode, plan.epochs,
                            [path for path, _ in intervals.leaves(space)])]
 
 

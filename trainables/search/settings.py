@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -23,6 +24,7 @@ from trainables.config import TrainConfig
 from trainables.data import check_source, train_size
 from trainables.presets import apply_overrides, read_config_file
 from trainables.search import intervals
+from trainables.search.gate import Confirm
 from trainables.trainer import check_names
 from trainables.validation import ConfigError, check, flatten, writable_folder
 
@@ -45,10 +47,19 @@ class SearchSettings:
     points: tuple[dict[str, Any], ...] = ()   # known settings of space fields, tried after the paper's, in order
     max_failures: int = 2
     validation_samples: int = 16       # space samples turned into configs on the driver before Ray
+    mean_of_last: int = 1              # the objective: ``metric`` averaged over the last N epochs reported
+    confirm: Confirm | None = None     # re-run the leading trials and the paper's on fresh seeds (trainables.search.gate)
 
     def __post_init__(self) -> None:
         check(self.mode in ("min", "max"), "SearchSettings.mode", "be 'min' or 'max'", self.mode)
         check(self.num_samples >= 1, "SearchSettings.num_samples", "be >= 1", self.num_samples)
+        check(self.mean_of_last >= 1, "SearchSettings.mean_of_last", "be >= 1", self.mean_of_last)
+        check(self.confirm is None or self.mode == "min", "SearchSettings.confirm", "go with mode 'min'", self.mode)
+
+    @property
+    def objective(self) -> str:
+        """What the search ranks by: ``metric`` averaged over the last ``mean_of_last`` epochs."""
+        return M.mean_of_last(self.metric, self.mean_of_last)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class Plan:
     fingerprint: str
     tags: dict[str, str]
     settings: dict[str, Any]   # flat: what the search computes, field by field (its MLflow parent's parameters)
+    confirm: Confirm | None = None   # the confirm stage as this command runs it (None: off)
 
 
 def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,6 +100,13 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
                         "(trainables/search/compile_ahead.py); each trial then compiles its own")
     p.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on this machine (they exist only on the workers)")
+    p.add_argument("--no-confirm", action="store_true",
+                   help="skip the confirm stage (the leading trials and the paper's config re-run on fresh seeds); "
+                        "`cowtune promote` then needs --unconfirmed")
+    p.add_argument("--confirm-seeds", type=int, metavar="N",
+                   help="fresh seeds of the confirm stage (default: the search file's Confirm.seeds; at least 3)")
+    p.add_argument("--finalists", type=int, metavar="N",
+                   help="leading trials the confirm stage re-runs beside the paper's (default: the search file's)")
     p.add_argument("--ray-output", nargs="?", type=int, const=1, choices=(1, 2), metavar="LEVEL",
                    help="Ray Tune's own console output (its trial status tables, each trial's config and result, the "
                         "trials' per-epoch lines) instead of the compact progress table; LEVEL 2: every result")
@@ -165,16 +184,38 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     seed = settings.seed if args.seed is None else args.seed
     name = args.name or name
     key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace]
-                     + ([points[1:]] if settings.points else []), sort_keys=True)   # unchanged for searches without points
+                     + ([points[1:]] if settings.points else [])    # unchanged for searches without points
+                     + ([settings.objective] if settings.mean_of_last > 1 else []), sort_keys=True)
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     tags = {"cowtune.search": name, "cowtune.fingerprint": fingerprint, "dataset": cfg.data.dataset,
             "n_labeled": str(cfg.data.n_labeled), "method": cfg.method, "model": cfg.model,
             "cowtune.trials": str(trials), "cowtune.epochs": str(epochs)}
     recorded = {**{f"config.{k}": v for k, v in flatten(d).items()},
                 **{f"space.{path}": repr(domain) for path, domain in intervals.leaves(space)},
-                "search.trials": trials, "search.seed": seed, "search.grace": grace,
+                "search.trials": trials, "search.seed": seed, "search.grace": grace, "search.objective": settings.objective,
                 **({"search.points": points[1:]} if settings.points else {})}
-    return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags, recorded)
+    confirm = confirm_stage(settings, args, cfg.seed)
+    tags["cowtune.objective"] = settings.objective
+    return Plan(name, d, points, trials, epochs, grace, seed, storage, fingerprint, tags, recorded, confirm)
+
+
+def confirm_stage(settings: SearchSettings, args: argparse.Namespace, search_seed: int) -> Confirm | None:
+    """The search file's confirm stage with the command's changes; its seeds must be fresh: the finalists were
+    chosen on the search trials' seed."""
+    if args.no_confirm or settings.confirm is None:
+        return None
+    confirm = settings.confirm
+    if args.finalists is not None:
+        check(args.finalists >= 1, "--finalists", "be >= 1", args.finalists)
+        confirm = dataclasses.replace(confirm, finalists=args.finalists)
+    if args.confirm_seeds is not None:
+        check(args.confirm_seeds >= 3, "--confirm-seeds", "be >= 3 (a mean of fewer seeds is an anecdote)",
+              args.confirm_seeds)
+        confirm = dataclasses.replace(confirm, seeds=tuple(search_seed + 1 + k for k in range(args.confirm_seeds)))
+    rounds = [s for k in range(confirm.halvings + 1) for s in confirm.seeds_of_round(k)]
+    check(search_seed not in rounds, "Confirm.seeds", f"not include the search trials' seed {search_seed} (the "
+          "finalists were chosen on it)", rounds)
+    return confirm
 
 
 def check_files(plan: Plan, args: argparse.Namespace) -> None:

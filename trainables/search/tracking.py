@@ -20,6 +20,7 @@ PARENT_TAG = "mlflow.parentRunId"
 TRIAL_TAG = "ray.trial_id"
 ORPHAN_TAG = "cowtune.orphaned"       # a trial's run that the restored Ray experiment does not know
 KIND_TAG = "mlflow.experimentKind"    # the MLflow UI's view of an experiment
+STAGE_TAG = "cowtune.stage"           # "confirm": a run of the confirm stage (trainables.search.confirm), not a trial
 
 
 def resolve_tracking_uri(workdir: str | Path | None = None) -> str:

@@ -21,6 +21,7 @@ import yaml
 import ray
 from ray import tune
 
+from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
@@ -79,7 +80,7 @@ def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
 
 def train_trial(config: dict[str, Any]) -> None:
     meta = config[META]
-    search = meta["mode"] == "search"
+    search = meta["mode"] in ("search", "confirm")   # the confirm stage too: finalists re-run on the holdout
     tune_kernels_by_default(not search)   # a search's trial does not repay the tuning's longer first compile
     body = config[TRAIN_CONFIG]["config"] if TRAIN_CONFIG in config else {k: v for k, v in config.items() if k != META}
     cfg = TrainConfig.from_dict(body)
@@ -115,7 +116,8 @@ def train_trial(config: dict[str, Any]) -> None:
     run = TrialRun(meta["uri"], meta["experiment_id"], meta["parent_run_id"], trial_id, trial_name, out,
                    cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,
                                    "model": cfg.model, "seed": str(cfg.seed), "mlflow.source.git.commit": meta.get(
-                                       "git_sha", "unknown"), **{f"split.{k}": v for k, v in data.split_hashes.items()}},
+                                       "git_sha", "unknown"), **{f"split.{k}": v for k, v in data.split_hashes.items()},
+                                   **config.get(TRAIN_CONFIG, {}).get("tags", {})},
                    log)
     if run.earlier_failure:   # Ray's retry of a trial that diverged or ran out of memory would do so again
         raise RuntimeError(f"not retried, {run.earlier_failure}")
@@ -129,13 +131,20 @@ def train_trial(config: dict[str, Any]) -> None:
             run.log_artifact(gallery)
     last_curve = [float("-inf")]
 
+    window = meta.get("mean_of_last", 1)   # the search's objective: its metric averaged over the last epochs
+
     def report(epoch: int, metrics: dict[str, float], ckpt_path: Path) -> None:
+        history = None
+        if window > 1:   # from the run's own metrics.jsonl, which a resumed trial's checkpoint folder carries
+            history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            metrics = {**metrics, M.mean_of_last(meta["metric"], window): M.window_mean(history, meta["metric"],
+                                                                                      window)}
         run.log_epoch(epoch, metrics)
         # A live curve at most every LIVE_CURVE_S (drawing one takes ~0.2 s of an epoch's ~1.5 s on an H100);
         # the driver draws the final one from MLflow when the trial ends, stopped early or not.
         if time.monotonic() - last_curve[0] >= LIVE_CURVE_S:
             last_curve[0] = time.monotonic()
-            history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            history = history or [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             run.log_artifact(learning_curve_png(history, out / CURVE_FILE, trial_name))
         if epoch == cfg.train.epochs:   # before the last report: a scheduler may stop the trial right after it
             run.log_artifact(ckpt_path, "checkpoint")    # what `cowtune promote` registers
