@@ -45,8 +45,8 @@ def test_the_search_prints_a_short_table(search):
     text = out.stdout
     assert re.search(r"^\[0:\d\d:\d\d\] e2e: 3 trials: \d running, \d terminated, \d pruned, 0 errored, \d pending$",
                      text, re.M), text
-    assert re.search(r"^  trial +state +epoch +last +best +sigma_range +prop_range +weight +conf_thresh +alpha$",
-                     text, re.M), text
+    assert re.search(r"^  trial +state +epoch +last +best +sigma_range +prop_range +weight +conf_thresh +alpha +anneal"
+                     r" +lr_per_256 +warmup_epochs$", text, re.M), text
     assert re.search(r"^  [0-9a-f]{8}  terminated +2/2  0\.\d{4}  0\.\d{4}  4\.\.16 ", text, re.M), text  # paper point
     assert re.search(r"^search e2e finished after \S+: 3 terminated, 0 pruned by ASHA, 0 errored; best ", text, re.M)
     assert "done: 3 trials (0 failed)" in text and "best trial " in text
@@ -103,7 +103,7 @@ def test_promote_registers_best_full_budget_trial(search, search_env, mlflow_ser
     run_checked([*COWTUNE, "promote", "--search", "e2e", "--unconfirmed", "--out", str(tmp / "promoted.yaml")],
                 search_env, tmp)
     client, _, children = runs_of(mlflow_server, "e2e")
-    objective = M.mean_of_last(M.VAL_ERROR_TEACHER, 6)   # the search file's: the last 6 epochs' mean (here 2)
+    objective = M.mean_of_last(M.VAL_ERROR_TEACHER, 3)   # the search file's: the last 3 epochs' mean (here 2)
     best = min(children, key=lambda c: (c.data.metrics[objective], c.info.start_time))
     version = client.get_model_version_by_alias("e2e", "champion")
     assert client.get_run(version.run_id).data.metrics[objective] == best.data.metrics[objective]

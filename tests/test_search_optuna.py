@@ -55,7 +55,7 @@ def test_known_points_follow_the_paper_point_and_set_only_space_fields():
     assert second["teacher"]["alpha"] == 0.97                    # what a point leaves out stays the paper's
     default = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH, parse_args(cowmix.SEARCH, []))
     assert plan.fingerprint != default.fingerprint               # a restore never mixes the two searches
-    outside = dataclasses.replace(cowmix.SEARCH, points=({"optim": {"lr_per_256": 0.1}},))
+    outside = dataclasses.replace(cowmix.SEARCH, points=({"optim": {"l2": 0.001}},))
     with pytest.raises(ConfigError, match="SearchSettings.points must set only fields of the search space"):
         prepare_search(cowmix.BASE, cowmix.SPACE, outside, parse_args(outside, []))
 

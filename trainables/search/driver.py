@@ -6,7 +6,8 @@ a finished one (``studies``); a round's end puts the best trial, a description a
 
 Early stopping and TPE: ``studies.BudgetAwareOptunaSearch``.
 
-Grace period rule: ``max(ceil(epochs / 4), ceil(3 * H))`` epochs, where H = 1 / ((1 - alpha_max) * steps_per_epoch)
+Grace period rule: ``max(ceil(epochs * min_rung), ceil(3 * H))`` epochs (``SearchSettings.min_rung``, 1/4 unless the
+search file says), where H = 1 / ((1 - alpha_max) * steps_per_epoch)
 is the EMA teacher's time constant in epochs for the largest alpha the space can draw: after 3 H the random
 initialisation's share of the teacher, alpha^steps, is below e^-3 = 5%; before, it would be judged on its start.
 """

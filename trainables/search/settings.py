@@ -44,6 +44,7 @@ class SearchSettings:
     seed: int = 0                      # TPE sampler seed
     reduction_factor: int = 3
     grace_period: int | None = None    # epochs; None: the rule in trainables/search/driver.py
+    min_rung: float = 0.25             # ASHA's first rung at least this share of the budget (the rule's epochs / 4)
     points: tuple[dict[str, Any], ...] = ()   # known settings of space fields, tried after the paper's, in order
     max_failures: int = 2
     validation_samples: int = 16       # space samples turned into configs on the driver before Ray
@@ -54,6 +55,7 @@ class SearchSettings:
         check(self.mode in ("min", "max"), "SearchSettings.mode", "be 'min' or 'max'", self.mode)
         check(self.num_samples >= 1, "SearchSettings.num_samples", "be >= 1", self.num_samples)
         check(self.mean_of_last >= 1, "SearchSettings.mean_of_last", "be >= 1", self.mean_of_last)
+        check(0 < self.min_rung <= 1, "SearchSettings.min_rung", "be in (0, 1]", self.min_rung)
         check(self.confirm is None or self.mode == "min", "SearchSettings.confirm", "go with mode 'min'", self.mode)
 
     @property
@@ -127,13 +129,13 @@ def _sample(spec: tuple, rng: random.Random) -> Any:
     return math.exp(rng.uniform(math.log(lo), math.log(hi))) if log else rng.uniform(lo, hi)
 
 
-def grace_rule(base: TrainConfig, space: dict[str, Any], epochs: int) -> int:
+def grace_rule(base: TrainConfig, space: dict[str, Any], epochs: int, min_rung: float = 0.25) -> int:
     alpha = dict(intervals.leaves(space)).get("teacher.alpha")
     alpha_max = alpha.high if isinstance(alpha, intervals.Float) else base.teacher.alpha
     n_train = train_size(base.data) or 50000                 # an unreadable root fails later, in check_files
     steps = base.train.steps_per_epoch or max(1, (n_train - base.data.n_val) // base.train.batch_size)
     horizon = 1.0 / max(1e-9, (1.0 - alpha_max) * steps)
-    return min(epochs, max(1, math.ceil(epochs / 4), math.ceil(3 * horizon)))
+    return min(epochs, max(1, math.ceil(epochs * min_rung), math.ceil(3 * horizon)))
 
 
 def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, args: argparse.Namespace) -> Plan:
@@ -178,7 +180,7 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     trials = args.trials if args.trials is not None else (2 if args.smoke_test else settings.num_samples)
     check(trials >= 1, "--trials", "be >= 1", trials)
     epochs = cfg.train.epochs
-    grace = settings.grace_period or grace_rule(cfg, space, epochs)
+    grace = settings.grace_period or grace_rule(cfg, space, epochs, settings.min_rung)
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     storage = storage if "://" in storage else str(writable_folder(storage, "--storage", create=False).resolve())
     seed = settings.seed if args.seed is None else args.seed
