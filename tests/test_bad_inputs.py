@@ -22,8 +22,11 @@ from typing import Callable
 import pytest
 
 from conftest import ROOT, free_port
-from test_data import _write_tree, _zip_with_a_truncated_jpeg
+from test_data import _write_tree, _zip_tree, _zip_with_a_truncated_jpeg
+import trainables.trainer
 from trainables.cli import main
+
+BUILD_RUNNER = trainables.trainer.build_runner   # the table's cases refuse to build a model (nothing_starts)
 
 SCRIPT = ROOT / "search_spaces" / "cifar10_cowmix.py"
 CACHE = ".cache"   # COWTUNE_CACHE of every case: decode locks may stay there, decoded arrays may not
@@ -131,6 +134,29 @@ def empty_zip(t: Ctx) -> Path:
     return t.tmp / "empty.zip"
 
 
+def linked(rel: str, target: str) -> Callable[[Ctx], Path]:
+    """The standard tree with a symbolic link ``rel`` -> ``target`` (relative to the link's folder)."""
+    def make(t: Ctx) -> Path:
+        root = t.tree("tree")
+        (root / rel).symlink_to(target)
+        return root
+    return make
+
+
+def out_in_use(t: Ctx) -> list[str]:
+    """Another process holds the --out folder's lock, as a first `cowtune train` into it does."""
+    from trainables.trainer import RUN_LOCK
+    (t.tmp / "run").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from trainables.file_locks import hold_job_lock; "
+        f"hold_job_lock({str(t.tmp / 'run' / RUN_LOCK)!r}, 'train'); print('held', flush=True); time.sleep(120)")],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t.defer(lambda: (holder.kill(), holder.wait()))
+    assert holder.stdout.readline().strip() == "held"
+    t.expect.append(f"(pid {holder.pid} on ")
+    return digits()(t)
+
+
 def search(*args: str, storage: str = "ray") -> Callable[[Ctx], list[str]]:
     return lambda t: ["--smoke-test", "--storage", storage, *args]
 
@@ -174,16 +200,18 @@ def final(*args: str, text: str = "model: cnn_tiny\nmix: {name: cowmix}\n") -> C
     return lambda t: ["final", "--config", promoted(t, text), "--storage", "ray", "--out", "fin", *args]
 
 
-def checkpoint(t: Ctx) -> str:
+def checkpoint(t: Ctx, root: str = "gone", weights: bool = False) -> str:
     """A run folder with a checkpoint of cnn_tiny over classes blue, green, red (32x32), not trained: every
     evaluate case is refused before a model is built."""
     import torch
     from trainables.config import TrainConfig
-    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "data": {"dataset": "imagefolder", "root": "gone"}})
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "data": {"dataset": "imagefolder", "root": root}})
     record = {"class_names": ["blue", "green", "red"], "mean": [0.5] * 3, "std": [0.25] * 3,
               "image_shape": [3, 32, 32], "pipeline": "device"}
     (t.tmp / "run").mkdir()
-    torch.save({"config": cfg.to_dict(), "epoch": 1, "student": {}, "teacher": {}, "data": record},
+    from trainables.models import create_model
+    state = create_model("cnn_tiny", 3).state_dict() if weights else {}
+    torch.save({"config": cfg.to_dict(), "epoch": 1, "student": state, "teacher": state, "data": record},
                t.tmp / "run" / "checkpoint.pt")
     return str(t.tmp / "run")
 
@@ -206,6 +234,12 @@ def colour_tree(t: Ctx, names=("blue", "green", "red"), bad: tuple[str, bytes | 
     return t.tmp / "scored"
 
 
+def colour_tree_with_a_broken_link(t: Ctx) -> Path:
+    root = colour_tree(t)
+    (root / "test" / "red" / "zzz.png").symlink_to("gone.png")
+    return root
+
+
 ONE_LINE_RANGE = "must satisfy 0.001 <= low <= high"
 
 CASES = [
@@ -219,6 +253,8 @@ CASES = [
          (f"mix.sigma_range {ONE_LINE_RANGE}, got (0.0, 4.0)",)),
     Case("train-sigma-negative", "cowtune", digits("mix.sigma_range=-1:4"),
          (f"mix.sigma_range {ONE_LINE_RANGE}, got (-1.0, 4.0)",)),
+    Case("train-seed-negative", "cowtune", digits("seed=-1"),
+         ("seed (or data.labeled_seed, which picks the labeled subset) must be between 0 and 2**32 - 1, got -1",)),
     Case("train-bn-batch-not-a-divisor", "cowtune", digits("train.batch_size=16", "train.bn_batch=5"),
          ("train.bn_batch must be null or an integer >= 2 that divides train.batch_size (16), got 5",)),
     Case("train-epochs-zero", "cowtune", digits("train.epochs=0"), ("train.epochs must be >= 1, got 0",)),
@@ -293,6 +329,24 @@ CASES = [
          ("holds an image that cannot be decoded, class0/000.png (UnidentifiedImageError",)),
     Case("train-data-class-with-one-image", "cowtune", images(one_image_class),
          ("data.n_val must allow a stratified split of these labels, got 3", "only 1 member"), cached=True),
+    Case("train-data-one-class", "cowtune", images(lambda t: t.tree("tree", classes=1)),
+         ("tree' has one class folder (class0): training needs at least 2 classes",)),
+    Case("train-data-one-class-zip", "cowtune",
+         images(lambda t: _zip_tree(t.tree("tree", classes=1), t.tmp / "one.zip")),
+         ("one.zip' has one class folder (class0): training needs at least 2 classes",)),
+    Case("train-data-neither-folder-nor-file", "cowtune", images(lambda t: Path("/dev/null")),
+         ("data.root must be an ImageFolder tree or a .zip of one, got '/dev/null' (neither a folder nor a file)",)),
+    Case("train-data-symlink-loop", "cowtune", images(linked("class0/loop", "..")),
+         ("holds a symbolic link loop: class0/loop leads back to the root; remove the link",)),
+    Case("train-data-folder-linked-twice", "cowtune", images(linked("class2/more", "../class0")),
+         ("holds one folder twice, as class0 and as class2/more (a link): its images would be read twice",)),
+    Case("train-data-broken-symlink", "cowtune", images(linked("class1/zzz.png", "gone.png")),
+         ("holds an image that cannot be decoded, class1/zzz.png (a broken symbolic link, to gone.png)",
+          "--set data.unreadable=skip")),
+    Case("train-data-broken-class-folder-link", "cowtune", images(linked("class3", "../elsewhere")),
+         ("holds a broken symbolic link, class3 -> ../elsewhere (a class folder's?)",)),
+    Case("train-data-float-image", "cowtune", images(tree_with("class1/zzz.tif", image=("F", (16, 16)))),
+         ("holds an image of floats (mode F), class1/zzz.tif, whose range cannot be told",)),
     Case("train-data-mixed-sizes", "cowtune", images(tree_with("class1/zzz.png", image=("RGB", (20, 16)))),
          ("data.root must hold images of one size for the device pipeline (first is 16x16, class1/zzz.png is "
           "20x16); use --set data.pipeline=loader for mixed sizes",)),
@@ -386,6 +440,8 @@ CASES = [
          ("--data", "holds an image that cannot be decoded, test/blue/000.png (UnidentifiedImageError",)),
     Case("evaluate-truncated-jpeg", "cowtune", scored(lambda t: colour_tree(t, bad=("red/001.jpg", None))),
          ("--data", "holds an image that cannot be decoded, test/red/001.jpg (OSError",)),
+    Case("evaluate-broken-symlink", "cowtune", scored(colour_tree_with_a_broken_link),
+         ("--data", "holds an image that cannot be decoded, test/red/zzz.png (a broken symbolic link, to gone.png)",)),
     # cowtune masks
     Case("masks-sigma-zero", "cowtune", lambda t: ["masks", "--sigma", "0:4", "--out", "g.png"],
          (f"--sigma {ONE_LINE_RANGE}, got (0.0, 4.0)",)),
@@ -484,3 +540,25 @@ def test_the_table_covers_every_command_and_kind_of_input():
     assert len(CASES) >= 32 and len({c.id for c in CASES}) == len(CASES)
     commands = {c.id.split("-")[0] for c in CASES}
     assert commands == {"train", "search", "promote", "final", "evaluate", "masks", "upload"}
+
+
+# ------------------------------------------------------------------------------------------------ beyond the table
+
+def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
+    """A 16-bit greyscale PNG (PIL's mode I;16) is read as v / 257 by both pipelines: PIL's convert("RGB") clips
+    it, which made 99.5% of such an image's pixels 255."""
+    import numpy as np
+    from PIL import Image
+
+    from trainables import data as D
+    from trainables.config import DataConfig
+
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / CACHE))
+    _write_tree(tmp_path / "tree", 3, 6, 16, False)
+    ramp = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    Image.fromarray(ramp * 257).save(tmp_path / "tree" / "class0" / "000.png")
+    assert Image.open(tmp_path / "tree" / "class0" / "000.png").mode == "I;16"
+    raw = D.load_raw(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree")))
+    assert all(np.array_equal(raw.train_images[0][..., c], ramp) for c in range(3))
+    files = D.load_raw(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), pipeline="loader")).train_images
+    assert np.array_equal(np.asarray(files.load(0)), raw.train_images[0])

@@ -511,3 +511,33 @@ def test_images_that_cannot_be_decoded_are_left_out_when_asked(tmp_path, monkeyp
     assert "skipped 2 image files of" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="data.unreadable must be 'stop' or 'skip', got 'ignore'"):
         DataConfig(unreadable="ignore")
+
+
+def test_linked_class_folders_are_read_once_and_a_broken_link_is_left_out_when_asked(tmp_path, monkeypatch, capsys):
+    """Class folders that are symbolic links to folders elsewhere are read (each image once, as os.walk read
+    them); a link back up the tree is refused, not followed until the OS stops it (60 images became 2,460); a
+    broken link to an image is left out and named with data.unreadable=skip, as an image that cannot be decoded."""
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / "cache"))
+    _write_tree(tmp_path / "elsewhere", classes=3, per_class=4, size=16, split_dirs=False)
+    (tmp_path / "tree").mkdir()
+    for c in range(3):
+        (tmp_path / "tree" / f"class{c}").symlink_to(tmp_path / "elsewhere" / f"class{c}")
+    (tmp_path / "elsewhere" / "class1" / "zzz.png").symlink_to("gone.png")
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), n_val=3, unreadable="skip")
+    assert D.check_source(cfg) == 13   # the broken link is listed, for the decoding to leave out
+    raw = D.load_raw(cfg)
+    assert len(raw.train_images) == 12 and np.bincount(raw.train_labels).tolist() == [4, 4, 4]
+    assert "skipped 1 image file of" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"class1/zzz\.png \(a broken symbolic link, to gone\.png\)"):
+        D.check_source(dataclasses.replace(cfg, unreadable="stop"))   # the driver's check names it, too
+    (tmp_path / "elsewhere" / "class2" / "up").symlink_to("../../tree")
+    with pytest.raises(ConfigError, match="holds a symbolic link loop: class2/up leads back to the root"):
+        D.load_raw(cfg)
+
+
+def test_a_split_needs_two_classes_and_seeds_numpy_can_take():
+    labels = np.zeros(10, dtype=np.int64)
+    with pytest.raises(ConfigError, match="the training split has 1 class: training needs at least 2 classes"):
+        make_splits(labels, 0, 131, -1, 0)
+    with pytest.raises(ConfigError, match=r"data.val_seed must be between 0 and 2\*\*32 - 1, got -1"):
+        make_splits(np.arange(10) % 2, 2, -1, -1, 0)

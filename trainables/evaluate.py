@@ -25,7 +25,7 @@ import torch
 from trainables.config import TrainConfig
 from trainables.data import (NORMALISATION, DeviceData, LoaderData, RawDataset, ScoredImages, Splits, data_record,
                              prepare_data, scored_images)
-from trainables.data.image_files import unreadable
+from trainables.data.image_files import rescale_wide, unreadable
 from trainables.image_decode import UNREADABLE, decode_images
 from trainables.models import create_model
 from trainables.step import evaluate
@@ -179,6 +179,7 @@ def decode_scored(images: ScoredImages, trained_hw: tuple[int, int], resized: bo
     if bad is not None:
         i, (bw, bh) = bad
         raise ConfigError(f"{rule}, got {files.names[i]} of {bw}x{bh}")
+    rescale_wide(files, array, np.arange(len(array)), files.root, "--data")   # 16-bit greyscale, clipped above
     return array
 
 

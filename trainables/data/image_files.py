@@ -3,6 +3,10 @@ train/test/class layout, and the decode cache for small images.
 
 Small images are decoded once into a uint8 array and cached as .npz under $COWTUNE_CACHE
 (default ~/.cache/cowtune); large ones stay files, read one by one through ``FileImages.load``.
+
+A folder is walked following symbolic links, each real folder once (a link back up the tree is refused, not
+followed until the OS stops it); a link to an image that does not exist is named as an image that cannot be
+decoded; 16-bit greyscale images are scaled to 8 bits (PIL's ``convert("RGB")`` clips them to 255).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from trainables.file_locks import exclusive
 from trainables.image_decode import UNREADABLE, decode_images, default_workers, open_image
 from trainables.validation import ConfigError, check
 
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"   # 2: 16-bit greyscale images scaled to 8 bits, no longer clipped
 _IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 _SPLIT_DIRS = ("train", "test", "val")
 
@@ -45,7 +49,20 @@ class FileImages:
         return open_image(self.root, str(self.names[i]), None if os.path.isdir(self.root) else _zip_handle(self.root))
 
     def load(self, i: int) -> Image.Image:
-        return self.open(i).convert("RGB")
+        return to_rgb(self.open(i))
+
+
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")   # PIL's 16-bit greyscale (PNG, TIFF)
+WIDE_MODES = ("I", "F")   # 32-bit integer and float images: no known range to scale (16-bit PGM aside)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit RGB. 16-bit greyscale is scaled (v / 257, rounded): PIL's own ``convert("RGB")`` clips
+    it to 0..255, which turned a 16-bit PNG 99.5% white. PIL reads 16-bit PGM as mode I with the 16-bit range."""
+    if img.mode in SIXTEEN_BIT_MODES or (img.mode == "I" and img.format == "PPM"):
+        wide = np.asarray(img).astype(np.uint32)
+        return Image.fromarray(((wide + 128) // 257).astype(np.uint8)).convert("RGB")
+    return img.convert("RGB")
 
 
 _ZIPS: dict[str, tuple[int, zipfile.ZipFile]] = {}
@@ -64,23 +81,74 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(_IMAGE_EXTS) and not any(p.startswith(".") for p in name.split("/"))
 
 
-def _list_images(root: str, shown: str, field: str = "data.root") -> list[str]:
-    """Relative paths (with '/') of the image files under a folder or inside a .zip, sorted; errors name ``field``."""
+def _list_images(root: str, shown: str, field: str = "data.root", broken: str = "stop") -> list[str]:
+    """Relative paths (with '/') of the image files under a folder or inside a .zip, sorted; errors name ``field``.
+    A link to an image that does not exist is refused as an image that cannot be decoded, or with ``broken``
+    'skip' (data.unreadable=skip) listed for the decoding to leave out and name; a broken link without an
+    extension (a class folder's, perhaps) is refused."""
     if os.path.isdir(root):
-        out = []
-        for d, _, files in os.walk(root, followlinks=True):
-            rel = os.path.relpath(d, root)
-            out += [f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files]
+        out, dangling = _walk(root, shown, field)
+        for name, target in dangling:
+            if not _is_image(name):
+                raise ConfigError(f"{field} {shown!r} holds a broken symbolic link, {name} -> {target} (a class "
+                                  "folder's?): mend or remove it")
+            if broken != "skip":
+                raise unreadable(name, f"a broken symbolic link, to {target}", shown, field)
+            out.append(name)
     elif os.path.isfile(root) and zipfile.is_zipfile(root):
         out = _zip_handle(root).namelist()
     elif os.path.isfile(root):
         raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (a file that is not "
                           "a zip archive)")
+    elif os.path.exists(root):
+        raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (neither a folder "
+                          "nor a file)")
     else:
         raise ConfigError(f"{field} must be an ImageFolder tree or a .zip of one, got {shown!r} (not found)")
     out = sorted(n for n in out if _is_image(n))
     check(len(out) > 0, field, f"hold image files ({', '.join(_IMAGE_EXTS)}) in class folders", shown)
     return out
+
+
+def _walk(root: str, shown: str, field: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files under the folder ``root`` (paths with '/'), following symbolic links but entering each real
+    folder once, and the broken links named as images or folders (path, target). Hidden entries are
+    skipped. Raises ConfigError naming a link that leads back to a folder above it (a loop: ``os.walk`` follows
+    it until the paths grow too long) or to a folder already listed (its images would be read twice)."""
+    st = os.stat(root)
+    seen = {(st.st_dev, st.st_ino): ""}
+    files: list[str] = []
+    dangling: list[tuple[str, str]] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            entries = sorted(os.scandir(os.path.join(root, rel)), key=lambda e: e.name, reverse=True)
+        except OSError as exc:
+            raise ConfigError(f"{field} {shown!r} has a folder that cannot be read, {rel} ({exc.strerror})") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            try:
+                is_dir, is_file = entry.is_dir(), entry.is_file()   # both follow a link
+            except OSError:   # a link to itself, say (ELOOP)
+                is_dir = is_file = False
+            if is_dir:
+                st = os.stat(entry.path)
+                first = seen.setdefault((st.st_dev, st.st_ino), name)
+                if first != name:
+                    above = first == "" or name.startswith(first + "/")
+                    link = lambda n: n + (" (a link)" if os.path.islink(os.path.join(root, n)) else "")
+                    what = (f"a symbolic link loop: {name} leads back to {first or 'the root'}" if above else
+                            f"one folder twice, as {link(first)} and as {link(name)}: its images would be read twice")
+                    raise ConfigError(f"{field} {shown!r} holds {what}; remove the link")
+                stack.append(name)
+            elif is_file:
+                files.append(name)
+            elif entry.is_symlink() and (_is_image(name) or "." not in entry.name):   # an image's, or a folder's
+                dangling.append((name, os.readlink(entry.path)))
+    return files, dangling
 
 
 def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]], list[str]]:
@@ -100,6 +168,9 @@ def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], l
         train, test = [(n, p[0], "/".join(p)) for n, p in entries], []
     check(len(train) > 0, "data.root", "hold images in class folders (<root>/<class>/<image>)", shown)
     classes = sorted({c for _, c, _ in train})
+    if len(classes) < 2:
+        raise ConfigError(f"data.root {shown!r} has one class folder ({classes[0]}): training needs at least 2 "
+                          "classes, each a folder of its images")
     extra = sorted({c for _, c, _ in test} - set(classes))
     check(not extra, "data.root", f"have no test classes missing from train ({', '.join(extra)})", shown)
     return train, test, classes
@@ -165,8 +236,11 @@ def _source_key(root: str, files: Sequence[FileImages | None]) -> str:
     if os.path.isdir(root):
         for fi in files:
             for name in (fi.names if fi is not None else ()):
-                s = os.stat(os.path.join(root, str(name)))
-                h.update(f"|{name}|{s.st_size}|{s.st_mtime_ns}".encode())
+                try:
+                    s = os.stat(os.path.join(root, str(name)))
+                    h.update(f"|{name}|{s.st_size}|{s.st_mtime_ns}".encode())
+                except OSError:   # a link to nothing, listed for data.unreadable=skip to leave out
+                    h.update(f"|{name}|missing".encode())
     for fi in files:
         h.update(f"|split:{len(fi) if fi is not None else -1}".encode())
     return h.hexdigest()[:24]
@@ -248,7 +322,43 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None,
               f"decoded (data.unreadable=skip): {', '.join(skipped[:20])}{' ...' if len(skipped) > 20 else ''}",
               flush=True)
     check(bool(parts) and sum(len(p) for p in parts) > 0, "data.root", "hold at least one image that decodes", shown)
-    return np.concatenate(parts), np.concatenate(kept)
+    images, kept = np.concatenate(parts), np.concatenate(kept)
+    rescale_wide(files, images, kept, shown)
+    return images, kept
+
+
+def rescale_wide(files: FileImages, images: np.ndarray, kept: np.ndarray, shown: str,
+                 field: str = "data.root") -> None:
+    """Decode again, in place, the images of ``files`` (rows of ``images``: ``kept[row]``) that hold more than 8
+    bits a channel, which ``trainables.image_decode`` clipped: 16-bit greyscale scaled (``to_rgb``); a 32-bit or
+    float image, whose range is unknown, is refused naming it. Only PNG headers (26 bytes), and TIFF and PGM
+    headers are read: JPEG, BMP, GIF and WebP decode to 8 bits."""
+    row = {int(i): r for r, i in enumerate(kept)}
+    for i, name in enumerate(str(n) for n in files.names):
+        ext = name.lower().rsplit(".", 1)[-1]
+        if i not in row or ext not in ("png", "tif", "tiff", "pgm", "ppm"):
+            continue
+        if ext == "png":   # bit depth and colour type: byte 24 and 25 (IHDR); 16-bit colour PIL reads right
+            if _png_header(files, name)[24:26] != b"\x10\x00":
+                continue
+        img = files.open(i)
+        if img.mode in WIDE_MODES and not (img.mode == "I" and img.format == "PPM"):
+            kind = "32-bit integers" if img.mode == "I" else "floats"
+            raise ConfigError(f"{field} {shown!r} holds an image of {kind} (mode {img.mode}), {name}, whose range "
+                              "cannot be told: save it with 8 or 16 bits")
+        if img.mode in SIXTEEN_BIT_MODES or img.mode == "I":
+            images[row[i]] = np.asarray(to_rgb(img))
+
+
+def _png_header(files: FileImages, name: str) -> bytes:
+    try:
+        if os.path.isdir(files.root):
+            with open(os.path.join(files.root, name), "rb") as f:
+                return f.read(26)
+        with _zip_handle(files.root).open(name) as f:
+            return f.read(26)
+    except OSError:
+        return b""
 
 
 def first_readable(files: FileImages, shown: str, skip: bool) -> tuple[int, tuple[int, int]]:

@@ -107,7 +107,7 @@ def check_source(cfg: "DataConfig") -> int | None:
     check_dataset(cfg.dataset)
     root = os.path.abspath(os.path.expanduser(cfg.root))
     if cfg.dataset == "imagefolder":
-        return len(_layout(_list_images(root, cfg.root), cfg.root)[0])
+        return len(_layout(_list_images(root, cfg.root, broken=cfg.unreadable), cfg.root)[0])
     if cfg.dataset in TORCHVISION_FILES and not cfg.download:
         if not os.path.exists(os.path.join(root, TORCHVISION_FILES[cfg.dataset])):
             raise _missing_files_error(cfg)
@@ -123,7 +123,7 @@ def has_test_split(cfg: "DataConfig") -> bool | None:
         return False
     if cfg.dataset == "imagefolder":
         root = os.path.abspath(os.path.expanduser(cfg.root))
-        return len(_layout(_list_images(root, cfg.root), cfg.root)[1]) > 0
+        return len(_layout(_list_images(root, cfg.root, broken=cfg.unreadable), cfg.root)[1]) > 0
     return None
 
 
@@ -204,7 +204,7 @@ def _load_imagefolder(cfg: "DataConfig") -> RawDataset:
     cached as .npz under $COWTUNE_CACHE (default ~/.cache/cowtune). Large ones stay files.
     """
     root = os.path.abspath(os.path.expanduser(cfg.root))
-    names = _list_images(root, cfg.root)
+    names = _list_images(root, cfg.root, broken=cfg.unreadable)
     train, test, classes = _layout(names, cfg.root)
     index = {c: i for i, c in enumerate(classes)}
     train_files = FileImages(root, np.array([n for n, _, _ in train]))

@@ -48,8 +48,14 @@ def make_splits(labels: np.ndarray, n_val: int, val_seed: int, n_labeled: int, l
     """
     from sklearn.model_selection import StratifiedShuffleSplit
 
+    check(0 <= val_seed < 2 ** 32, "data.val_seed", "be between 0 and 2**32 - 1", val_seed)
+    check(0 <= labeled_seed < 2 ** 32, "seed (or data.labeled_seed, which picks the labeled subset)",
+          "be between 0 and 2**32 - 1", labeled_seed)
     labels = np.asarray(labels, dtype=np.int64)
     n, k = len(labels), len(np.unique(labels))
+    if k < 2:
+        raise ConfigError(f"the training split has {k} class{'es' if k != 1 else ''}: training needs at least 2 "
+                          "classes")
     check(n_val < n, "data.n_val", f"be smaller than the training split ({n} images)", n_val)
     check(n_val == 0 or n_val >= k, "data.n_val", f"be 0 or at least the number of classes ({k})", n_val)
     check(n - n_val >= k, "data.n_val", f"leave at least one training image per class ({n} images, {k} classes)",
