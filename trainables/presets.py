@@ -30,11 +30,14 @@ def read_config_file(name_or_path: str) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"config file {name_or_path} is a folder: give a YAML file or a preset name")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text())
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a YAML file (not UTF-8 text)") from None
     except (yaml.YAMLError, ValueError) as exc:
         raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
+    if data is None:   # nothing but blanks and comments: every field would be its default (CIFAR-10's)
+        raise ConfigError(f"empty config file {path}: write the fields to change (see `cowtune train fast --dry-run`)"
+                          ", or name a preset")
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
     return data
@@ -48,12 +51,38 @@ def yaml_problem(exc: Exception) -> str:
     return (what or " ".join(str(exc).split())) + where
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a plain scalar with a colon stays text (YAML 1.1 reads 4:16:32 as the
+    base-60 number 15392, and 4:16 in a file as 256, which no config field means) and a key twice is an error."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and ":" in value and tag.endswith((":int", ":float")):
+            return "tag:yaml.org,2002:str"
+        return tag
+
+    def construct_mapping(self, node, deep=False):
+        """A key given twice is refused (PyYAML keeps the last silently)."""
+        keys: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in keys:
+                raise yaml.constructor.ConstructorError(None, None, f"found the key {key!r} twice",
+                                                        key_node.start_mark)
+            keys.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def parse_value(text: str) -> Any:
     """YAML scalars and lists; 'lo:hi' is a two-number range (YAML would read 4:16 as base 60)."""
     m = _RANGE.match(text)
     if m:
         return [float(m.group(1)), float(m.group(2))]
-    value = yaml.safe_load(text)
+    value = load_yaml(text)
     if isinstance(value, str):
         try:
             return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string

@@ -6,6 +6,7 @@ Two error templates, used everywhere: "<field> must <rule>, got <value>" for val
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import difflib
@@ -31,9 +32,17 @@ class RunOutOfMemory(RuntimeError):
     """The device ran out of memory in a step or an evaluation; the run stopped, its last checkpoint kept."""
 
 
+# What a field's type alone does not say, told when a value of another type is given for it
+TYPE_NOTES = {"data.n_labeled": "-1 means all"}
+
+
 def check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{name} must {rule}, got {value!r}")
+
+
+def _check_type(ok: bool, name: str, rule: str, value: Any) -> None:
+    check(ok, name, f"{rule} ({TYPE_NOTES[name]})" if name in TYPE_NOTES else rule, value)
 
 
 def unknown_name(what: str, name: str, known: Iterable[str]) -> ConfigError:
@@ -58,16 +67,17 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
         return build_dataclass(tp, value, prefix=f"{name}.")
     if origin is tuple:
         args = typing.get_args(tp)
-        check(isinstance(value, (list, tuple)), name, "be a list", value)
+        _check_type(isinstance(value, (list, tuple)), name,
+                    "be a list of 2 numbers (LO:HI in --set)" if args == (float, float) else "be a list", value)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         check(len(value) == len(args), name, f"have {len(args)} items", value)
         return tuple(_convert(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
-        check(isinstance(value, bool), name, "be true or false", value)
+        _check_type(isinstance(value, bool), name, "be true or false", value)
         return value
     if tp is int:
-        check(isinstance(value, int) and not isinstance(value, bool), name, "be an integer", value)
+        _check_type(isinstance(value, int) and not isinstance(value, bool), name, "be an integer", value)
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
@@ -75,10 +85,11 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
                 value = float(value)
             except ValueError:
                 pass
-        check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "be a number", value)
+        _check_type(isinstance(value, (int, float)) and not isinstance(value, bool), name, "be a number", value)
+        check(math.isfinite(value), name, "be a finite number", value)   # an infinite rate or weight trains on NaNs
         return float(value)
     if tp is str:
-        check(isinstance(value, str), name, "be a string", value)
+        _check_type(isinstance(value, str), name, "be a string", value)
         return value
     raise TypeError(f"unsupported field type {tp!r} for {name}")
 
