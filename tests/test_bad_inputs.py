@@ -313,6 +313,11 @@ CASES = [
          ("--out", "run is a file: give a folder")),
     Case("train-out-under-a-file", "cowtune", lambda t: digits(out=str(t.write("notes", "x") / "run"))(t),
          ("--out", "notes/run lies under the file", "give a folder")),
+    Case("train-out-empty", "cowtune", digits(out=""), ("--out must name a folder, got ''",)),
+    Case("train-out-cannot-be-made", "cowtune", digits(out="/proc/cowtune-run"),
+         ("--out /proc/cowtune-run cannot be made",)),
+    Case("train-out-in-use", "cowtune", out_in_use,
+         ("a cowtune train into run is running already", "wait for it to end, or pass another --out")),
     # cowtune train: the data
     Case("train-torchvision-files-missing", "cowtune",
          lambda t: ["train", "fast", *sets("data.dataset=cifar10", f"data.root={t.tmp / 'cifar'}"), "--out", "run"],
@@ -462,6 +467,12 @@ CASES = [
          (f"--sigma {ONE_LINE_RANGE}, got (16.0, 4.0)",)),
     Case("masks-sigma-not-a-range", "cowtune", lambda t: ["masks", "--sigma", "4-16", "--out", "g.png"],
          ("argument --sigma: expected LO:HI, got '4-16'",), usage=True),
+    Case("masks-too-many", "cowtune", lambda t: ["masks", "-n", "200000", "--out", "g.png"],
+         ("-n must be 1..1024 and --size 2..1024, got n=200000, size=32",)),
+    Case("masks-too-many-pixels", "cowtune", lambda t: ["masks", "-n", "1024", "--size", "1024", "--out", "g.png"],
+         ("-n masks of --size px must hold at most 16,777,216 pixels in all", "got 1024 of 1024x1024")),
+    Case("masks-sigma-infinite", "cowtune", lambda t: ["masks", "--sigma", "4:inf", "--out", "g.png"],
+         ("argument --sigma: expected LO:HI of finite numbers, got '4:inf'",), usage=True),
     Case("masks-out-under-a-file", "cowtune",
          lambda t: ["masks", "--out", str(t.write("notes", "x") / "g.png"), "--npy", "m.npy"],
          ("--out", "notes/g.png lies under the file", "give a path in a folder")),
@@ -575,3 +586,60 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
     assert all(np.array_equal(raw.train_images[0][..., c], ramp) for c in range(3))
     files = D.load_raw(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), pipeline="loader")).train_images
     assert np.array_equal(np.asarray(files.load(0)), raw.train_images[0])
+
+
+FULL_DISK_AT = 2   # the second checkpoint meets a full disk
+
+
+def test_a_full_disk_is_named_with_the_out_folder_not_as_pytorchs_unexpected_pos(tmp_path, monkeypatch, capsys):
+    """`cowtune train` whose --out fills up while a checkpoint is written: the kernel's ENOSPC is the one line
+    (PyTorch's zip writer says "unexpected pos N vs M"), the temporary file is gone, the last checkpoint is intact
+    and the folder's lock is released. The disk fills as a kernel fills it: the file takes 4 KiB, then each write
+    fails with ENOSPC (tests/test_checkpoints.py has a kernel file-size limit, which raises EFBIG instead)."""
+    import errno
+    import io
+    import os
+
+    import torch
+
+    from trainables import checkpoints
+    from trainables.file_locks import job_lock
+    from trainables.trainer import RUN_LOCK
+
+    class FillingFile(io.FileIO):
+        room = 4096
+
+        def write(self, b):
+            if self.tell() + len(b) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(b)
+
+    saves = []
+
+    def open_checkpoint(path, mode="r", *args, **kwargs):
+        saves.append(path)
+        return io.BufferedWriter(FillingFile(path, "wb")) if len(saves) == FULL_DISK_AT else open(path, mode)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoints, "open", open_checkpoint, raising=False)
+    monkeypatch.setattr(trainables.trainer, "build_runner", BUILD_RUNNER)   # this one trains: 2 steps of cnn_tiny
+    code = main(digits("train.epochs=2", "train.steps_per_epoch=1")(None))
+    err = capsys.readouterr().err
+    assert code == 1 and err.splitlines() == [
+        "cowtune: error: no space left on device for --out run (writing the checkpoint run/checkpoint.pt); the last "
+        "checkpoint, run/checkpoint.pt, is intact: free space and run the same command to resume"], err
+    assert not list((tmp_path / "run").glob("*.tmp"))
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    with job_lock(tmp_path / "run" / RUN_LOCK, "train", "wait"):   # released: another run may take it
+        pass
+
+
+def test_the_default_out_folder_holds_a_hash_of_the_overrides():
+    """Without --out, two runs of one config with other --set items do not share a folder; the same items do."""
+    from trainables.cli import default_out
+
+    assert default_out("fast", "cowmix", 0, []) == Path("runs/fast-cowmix-seed0")   # as before
+    one = default_out("my.yaml", "cowmix", 0, ["train.epochs=3"])
+    assert one.parent == Path("runs") and one.name.startswith("my-cowmix-seed0-") and len(one.name) == 24
+    assert default_out("my.yaml", "cowmix", 0, ["train.epochs=3"]) == one
+    assert default_out("my.yaml", "cowmix", 0, ["train.epochs=4"]) != one

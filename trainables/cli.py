@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -16,15 +19,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from trainables.presets import load_config
     from trainables.trainer import check_names, fit
 
+    if args.out is not None and not args.out.strip():
+        raise ConfigError(f"--out must name a folder, got {args.out!r} (leave it out for runs/<config>-...)")
     cfg = load_config(args.config, args.set)
-    out = Path(args.out or Path("runs") / f"{Path(args.config).stem}-{cfg.method}-seed{cfg.seed}")
+    out = Path(args.out).expanduser() if args.out else default_out(args.config, cfg.method, cfg.seed, args.set)
     print(f"cowtune train: {cfg.method} on {cfg.data.dataset} ({cfg.data.n_labeled} labels), output {out}")
     if args.dry_run:
         check_names(cfg)   # what fit() checks first, for a run that stops here
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     writable_folder(out, "--out", create=False)   # before the data is read: a file in the way is named, not a traceback
-    result = fit(cfg, out, restart=args.restart)
+    try:
+        result = fit(cfg, out, restart=args.restart, lock=True)   # a second run into --out is refused, naming this
+    except (CheckpointWriteError, OSError) as exc:
+        raise _no_space(exc, out) or exc
     print(json.dumps({k: v for k, v in result["final"].items() if "/" in k}, indent=2))
     best = result.get("best") or {}
     key = next((k for k in best if k != "epoch"), None)
@@ -32,6 +40,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"best epoch {int(best['epoch'])}: {key} {100 * best[key]:.2f}% (the result is the last epoch's)")
     print(f"done: results in {out}/result.json, checkpoint {out}/checkpoint.pt")
     return 0
+
+
+def default_out(config: str, method: str, seed: int, overrides: list[str]) -> Path:
+    """runs/<config>-<method>-seed<N>, and -<8 hex digits of the --set items, in order> when there are any: two
+    runs of one config with other overrides do not share a folder by default (the same command resumes its own)."""
+    name = f"{Path(config).stem}-{method}-seed{seed}"
+    if overrides:
+        name += "-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:8]
+    return Path("runs") / name
+
+
+def _no_space(exc: BaseException, out: Path) -> CheckpointWriteError | None:
+    """A full disk (or quota) behind ``exc``, said so, or None. PyTorch's zip writer reports the failed write as
+    "unexpected pos N vs M", the OSError it met only its context."""
+    from trainables.trainer import CHECKPOINT
+
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    ckpt = out / CHECKPOINT
+    what = (f"the checkpoint {ckpt}" if isinstance(exc, CheckpointWriteError) else
+            cause.filename if cause.filename else "the run's files")
+    kept = f"the last checkpoint, {ckpt}, is intact" if ckpt.exists() else "no checkpoint was written yet"
+    return CheckpointWriteError(f"{cause.strerror.lower()} for --out {out} (writing {what}); {kept}: free space "
+                                "and run the same command to resume")
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -51,6 +86,8 @@ def _range(text: str) -> tuple[float, float]:
         lo, hi = (float(v) for v in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise argparse.ArgumentTypeError(f"expected LO:HI of finite numbers, got {text!r}")
     return lo, hi
 
 
@@ -69,6 +106,10 @@ def _as_options(validate) -> None:
         raise ConfigError(text) from None
 
 
+MAX_MASKS, MAX_MASK_SIZE = 1024, 1024   # a gallery of 1,024 32x32 masks is a 3,204 px square PNG
+MAX_MASK_PIXELS = MAX_MASKS * 128 * 128   # 64 MiB of float masks; 1,024 of 128x128 make a 4,228 px square
+
+
 def _cmd_masks(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -76,8 +117,11 @@ def _cmd_masks(args: argparse.Namespace) -> int:
     from trainables.gallery import save_gallery
     from trainables.ssl.regularizers import CowMix, CutMix
 
-    if args.n < 1 or args.size < 2:
-        raise ConfigError(f"-n must be >= 1 and --size >= 2, got n={args.n}, size={args.size}")
+    if not (1 <= args.n <= MAX_MASKS and 2 <= args.size <= MAX_MASK_SIZE):
+        raise ConfigError(f"-n must be 1..{MAX_MASKS} and --size 2..{MAX_MASK_SIZE}, got n={args.n}, size={args.size}")
+    if args.n * args.size ** 2 > MAX_MASK_PIXELS:
+        raise ConfigError(f"-n masks of --size px must hold at most {MAX_MASK_PIXELS:,} pixels in all (e.g. "
+                          f"{MAX_MASKS} of 128x128, 16 of 1024x1024), got {args.n} of {args.size}x{args.size}")
     if args.kind == "cow":
         _as_options(lambda: CowMix(sigma_range=args.sigma, prop_range=args.p))  # the ranges, named as options
     else:
@@ -125,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="a YAML file or a shipped preset name (see `cowtune list`)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, e.g. --set train.epochs=10 --set mix.sigma_range=4:16")
-    train.add_argument("--out", help="output folder (checkpoint, metrics); default runs/<config>-<method>-seed<N>")
+    train.add_argument("--out", help="output folder (checkpoint, metrics); default runs/<config>-<method>-seed<N>, "
+                       "with -<a hash of the --set items> when there are any")
     train.add_argument("--restart", action="store_true", help="ignore an existing checkpoint in --out")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and stop")
     train.set_defaults(func=_cmd_train)
@@ -161,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="box: how each box's size is drawn (default random_area)")
     masks.add_argument("--box-scale", type=float, default=0.25,
                        help="box: the area fraction for 'fixed' (default 0.25)")
-    masks.add_argument("-n", type=int, default=32, help="how many masks (default 32)")
-    masks.add_argument("--size", type=int, default=32, help="mask height and width in pixels (default 32)")
+    masks.add_argument("-n", type=int, default=32, help=f"how many masks (default 32, at most {MAX_MASKS})")
+    masks.add_argument("--size", type=int, default=32,
+                       help=f"mask height and width in pixels (default 32, at most {MAX_MASK_SIZE})")
     masks.add_argument("--seed", type=int, default=0, help="random seed: the same seed draws the same masks")
     masks.add_argument("--out", required=True, help="PNG file")
     masks.add_argument("--npy", help="also save the masks as an (N, H, W) uint8 array of 0/1")

@@ -1,5 +1,6 @@
 """Advisory file locks shared by processes on one machine (``flock``: released by the kernel if the
-holder dies). Used for the decode cache, the first compilation and packed trials' GPU turns."""
+holder dies). Used for the decode cache, the first compilation, packed trials' GPU turns, and the folders of a
+search, a final job and a ``cowtune train`` run (one writer each)."""
 from __future__ import annotations
 
 import contextlib
@@ -38,6 +39,23 @@ def hold_job_lock(path: Path, what: str) -> None:
     """Hold an exclusive lock on ``path`` for the rest of this process, with who holds it written inside; raises
     ConfigError naming the holder if another process (on this machine, or one sharing the folder) holds it.
     ``what`` names the job in the message ("search cifar10_cowmix")."""
+    key = str(Path(path).resolve())
+    if key not in _HELD:
+        _HELD[key] = _take_job_lock(path, what, "pass --name NEW for another")
+
+
+@contextlib.contextmanager
+def job_lock(path: Path, what: str, other: str) -> Iterator[None]:
+    """``hold_job_lock`` for the body only (``cowtune train``'s --out: a process may train several runs in turn);
+    ``other`` ends the refusal ("pass another --out")."""
+    handle = _take_job_lock(path, what, other)
+    try:
+        yield
+    finally:
+        handle.close()   # releases the lock; the file stays, as a job's does
+
+
+def _take_job_lock(path: Path, what: str, other: str) -> IO:
     import json
     import os
     import socket
@@ -45,9 +63,6 @@ def hold_job_lock(path: Path, what: str) -> None:
 
     from trainables.validation import ConfigError
 
-    key = str(Path(path).resolve())
-    if key in _HELD:
-        return
     handle = open(path, "a+")
     if not try_lock(handle, fcntl.LOCK_EX):
         handle.seek(0)
@@ -58,10 +73,10 @@ def hold_job_lock(path: Path, what: str) -> None:
         handle.close()
         who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since {holder.get('since', '?')}: "
                f"{holder.get('command', '?')}") if holder else "another process"
-        raise ConfigError(f"{what} is running already ({who}); wait for it to end, or pass --name NEW for another")
+        raise ConfigError(f"{what} is running already ({who}); wait for it to end, or {other}")
     handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:500]}))
     handle.flush()
-    _HELD[key] = handle
+    return handle

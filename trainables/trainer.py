@@ -28,6 +28,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
 from trainables.fast.switch import gpu_identity, gpu_turn, prepare_student
+from trainables.file_locks import job_lock
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
 from trainables.optim import lr_factor, make_optimizer, step_schedule
@@ -245,16 +246,36 @@ def check_names(cfg: TrainConfig) -> None:
 
 def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, data: TrainData | None = None,
         log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False,
-        keep_previous: bool = True) -> dict[str, Any]:
+        keep_previous: bool = True, lock: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
     ``shared_gpu``: other trials are packed on this GPU; with ``train.gpu_turns`` the epochs take turns.
+    ``lock`` (``cowtune train``): hold the folder's lock (``RUN_LOCK``) while training, from before the checkpoint
+    is read when the folder exists, else from when it is made; searches and finals lock their own folders.
 
     Raises:
         ConfigError: bad config (an unknown model or dataset is named first, before any checkpoint is read or
-            folder made), bad data split, or a checkpoint made with a different config.
+            folder made), bad data split, a checkpoint made with a different config, or (``lock``) another
+            process training into ``out_dir``, named.
     """
+    with contextlib.ExitStack() as held:
+        return _fit(cfg, Path(out_dir), report, data, log, restart, shared_gpu, keep_previous,
+                    held if lock else None)
+
+
+RUN_LOCK = ".cowtune-train.lock"
+
+
+def _hold_folder(held: contextlib.ExitStack | None, out: Path) -> None:
+    if held is not None:
+        held.enter_context(job_lock(out / RUN_LOCK, f"a cowtune train into {out}", "pass another --out"))
+
+
+def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | None, log: Callable[[str], None],
+         restart: bool, shared_gpu: bool, keep_previous: bool, held: contextlib.ExitStack | None) -> dict[str, Any]:
     check_names(cfg)                  # a misspelt name is named as such, not as a checkpoint's other config
-    out = Path(out_dir)
+    existed = out.is_dir()
+    if existed:
+        _hold_folder(held, out)       # a second run into it is refused before it reads the checkpoint or the data
     ckpt_path = out / CHECKPOINT
     resume = None
     if ckpt_path.exists() and not restart:
@@ -267,6 +288,8 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
     data = data or prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
     log(f"data: {data.describe()}")
     out.mkdir(parents=True, exist_ok=True)   # after the data: a run refused for its data leaves no folder
+    if not existed:
+        _hold_folder(held, out)
     runner = build_runner(cfg, data.num_classes, device)
     student, teacher, optimizer, bf16 = runner.student, runner.teacher, runner.optimizer, runner.bf16
     base_lr = optimizer.param_groups[0]["lr"]

@@ -5,6 +5,7 @@ Two error templates, used everywhere: "<field> must <rule>, got <value>" for val
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -170,6 +171,15 @@ def writable_folder(path: str | os.PathLike, field: str, create: bool = True) ->
         nearest = next(a for a in p.absolute().parents if a.exists())
         if not os.access(nearest, os.W_OK | os.X_OK):
             raise ConfigError(f"{field} {path} cannot be made: {nearest} is not writable")
+        made = p.absolute().relative_to(nearest).parts   # made and removed again: access() is not the whole answer
+        try:                                              # (a read-only mount, /proc; for root, any folder)
+            p.mkdir(parents=True)
+        except OSError as exc:
+            raise ConfigError(f"{field} {path} cannot be made ({exc.strerror or exc})") from None
+        finally:
+            for i in range(len(made), 0, -1):
+                with contextlib.suppress(OSError):
+                    (nearest / Path(*made[:i])).rmdir()
         return p
     try:
         p.mkdir(parents=True, exist_ok=True)
