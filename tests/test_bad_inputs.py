@@ -5,8 +5,11 @@ working directory, where ./mlflow.db, ./ray_results and runs/ would go) holds ex
 
 In-process: ``trainables.cli.main(argv)`` and the search script run as ``__main__`` (``runpy``), stderr read with
 capsys. Guards make any case that got past its checks fail loudly instead of building a model or starting Ray.
-Only the lock case starts a process: the search's lock must be held by another process (a flock), as in
-tests/test_search.py.
+Only the lock cases start a process: the lock of a search or of a `cowtune train` --out folder must be held by
+another process (a flock), as in tests/test_search.py.
+
+After the table, what is not refused but must still come out right: a 16-bit PNG read as 8 bits, a disk that fills
+mid-run said in one line, the default --out of runs with overrides, and `evaluate` on a run's own training images.
 """
 from __future__ import annotations
 
@@ -416,7 +419,7 @@ CASES = [
          ("did not answer within 5 s",), within_s=5.0),
     # cowtune final
     Case("final-data-without-a-test-split", "cowtune", final("--datasets", "digits=unused", "--labels", "20"),
-         ("dataset 'digits' (unused) has no test split to report",)),
+         ("dataset 'digits' (", "unused) has no test split to report")),   # the path as given, or resolved
     Case("final-imagefolder-without-a-test-split", "cowtune",
          lambda t: final("--datasets", f"imagefolder={t.tree('tree')}", "--labels", "6", "--seeds", "1")(t),
          ("dataset 'imagefolder' (", "has no test split to report")),
@@ -643,3 +646,17 @@ def test_the_default_out_folder_holds_a_hash_of_the_overrides():
     assert one.parent == Path("runs") and one.name.startswith("my-cowmix-seed0-") and len(one.name) == 24
     assert default_out("my.yaml", "cowmix", 0, ["train.epochs=3"]) == one
     assert default_out("my.yaml", "cowmix", 0, ["train.epochs=4"]) != one
+
+
+def test_evaluate_says_when_it_scores_the_runs_own_training_images(tmp_path, monkeypatch, capsys):
+    """--data the run's data.root, scored whole (it has no test/ split): one line says these are training images."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COWTUNE_CACHE", str(tmp_path / CACHE))
+    ctx = Ctx(tmp_path, monkeypatch, lambda f: None)
+    tree = colour_tree(ctx) / "test"   # blue/, green/, red/: every class folder scored
+    assert main(["evaluate", "--checkpoint", checkpoint(ctx, str(tree), weights=True), "--data", str(tree),
+                 "--device", "cpu", "--json", "r.json"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "training data" in line]
+    assert notes == [f"note: {tree} is the run's own training data (its data.root), every class folder scored: it "
+                     "trained on these images, so this is no test error"]
+    assert __import__("json").loads((tmp_path / "r.json").read_text())["training_images"] is True

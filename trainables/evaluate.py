@@ -183,6 +183,19 @@ def decode_scored(images: ScoredImages, trained_hw: tuple[int, int], resized: bo
     return array
 
 
+def trained_on(cfg: TrainConfig, data: str, images: ScoredImages) -> str | None:
+    """A line saying that the scored images are the run's training images, or None: ``data`` is the file or folder
+    of the run's ``data.root`` (a relative one read from here) and what is scored is not its test/ or val/ split."""
+    if cfg.data.dataset != "imagefolder" or images.folder.rsplit("/", 1)[-1] in ("test", "val"):
+        return None
+    try:
+        same = os.path.samefile(os.path.expanduser(data), os.path.expanduser(cfg.data.root))
+    except OSError:   # its data.root is gone, or was relative to another folder
+        return None
+    return (f"note: {data} is the run's own training data (its data.root), {images.folder or 'every class folder'} "
+            "scored: it trained on these images, so this is no test error") if same else None
+
+
 def _device(setting: str) -> torch.device:
     check(setting in ("auto", "cpu", "cuda"), "--device", "be auto, cpu or cuda", setting)
     if setting == "auto":
@@ -203,8 +216,9 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
             ``data_record`` whose ``data.root`` is gone (ImageFolder runs).
     Returns:
         {"checkpoint", "epoch", "step", "model", "method", "dataset", "data", "scored", "images", "classes",
-        "class_names", "normalisation", "device", "precision", "teacher": {"error", "loss"}, "student": {...}};
-        error is the top-1 error (0..1), loss the mean cross-entropy.
+        "class_names", "normalisation", "device", "precision", "training_images" (the run's own training data: a
+        line says so), "teacher": {"error", "loss"}, "student": {...}}; error is the top-1 error (0..1), loss the
+        mean cross-entropy.
     Raises:
         ConfigError, before any model is built, for each input that cannot work (see the helpers).
     """
@@ -221,6 +235,7 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
         log("--train-data not used: the checkpoint records its class names and normalisation")
     labels = labels_for(images, record["class_names"])
     pipeline = eval_pipeline(images, labels, record, cfg, dev)
+    own = trained_on(cfg, data, images)
 
     names = record["class_names"]
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and dev.type == "cuda")   # as trained
@@ -246,8 +261,10 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
               "model": cfg.model, "method": cfg.method, "dataset": cfg.data.dataset, "data": data, "scored": scored,
               "images": len(labels), "classes": len(set(images.classes)), "class_names": names,
               "normalisation": {"mean": list(record["mean"]), "std": list(record["std"]), "source": source},
-              "device": str(dev), "precision": "bf16" if bf16 else "fp32", **scores}
+              "device": str(dev), "precision": "bf16" if bf16 else "fp32", "training_images": bool(own), **scores}
     _log_result(result, log)
+    if own:
+        log(own)
     return result
 
 
