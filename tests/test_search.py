@@ -249,10 +249,14 @@ def test_an_unreachable_tracking_server_is_one_line_within_seconds(tmp_path):
 def test_a_trial_whose_loss_goes_nan_fails_with_its_reason_and_the_search_ends(search_env, mlflow_server, tmp_path):
     """Not a silent 90% error: the trial is an ERROR in Tune, its MLflow run FAILED with the reason as a tag, the
     parent FAILED, and the driver ends with its count instead of a traceback ('No best trial found')."""
-    out = run_search_script("cifar10_cowmix.py", ["--smoke-test", "--trials", "1", "--name", "nan", "--storage",
-                                                  str(tmp_path / "ray"), "--set", "optim.lr_per_256=1e12",
-                                                  "--no-compile-ahead"], search_env, tmp_path)
-    assert "done: 1 trials (1 failed)" in out.stdout   # exit status 0: the driver ends as it should
+    out = subprocess.run([sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test",
+                          "--trials", "1", "--name", "nan", "--storage", str(tmp_path / "ray"), "--set",
+                          "optim.l2=1e12", "--no-compile-ahead"], env=search_env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    # every trial failed: exit status 1, one line saying so and why, no promote hint
+    assert out.returncode == 1 and "done:" not in out.stdout and "cowtune promote" not in out.stdout
+    assert re.search(r"^nan: error: every trial failed \(1 of 1\); the first: .*the training loss became nan",
+                     out.stderr, re.M), out.stderr[-3000:]
     _, parents, children = runs_of(mlflow_server, "nan")
     assert parents[0].info.status == "FAILED" and [c.info.status for c in children] == ["FAILED"]
     assert children[0].data.tags["cowtune.failure"].startswith("TrainingDiverged: the training loss became nan")

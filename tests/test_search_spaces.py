@@ -64,7 +64,14 @@ def test_no_search_can_evaluate_on_the_test_split(path, override):
 
 @pytest.mark.parametrize("argv, key", [(["--trials", "0"], "--trials"), (["--epochs", "0"], "train.epochs"),
                                        (["--trials", "-2"], "--trials"),
-                                       (["--set", "model=wrn28_3"], "Unknown model 'wrn28_3'")])
+                                       (["--set", "model=wrn28_3"], "Unknown model 'wrn28_3'"),
+                                       (["--name", "team/exp1"], "--name must be one word"),
+                                       (["--name", "../escape"], "--name must be one word"),
+                                       (["--cpus-per-trial", "4096"], "--cpus-per-trial must be at most"),
+                                       (["--cpus-per-trial", "0"], "--cpus-per-trial must be >= 1"),
+                                       (["--gpu-share", "1.5"], "--gpu-share must be in"),
+                                       (["--confirm-seeds", "2"], "--confirm-seeds must be >= 3"),
+                                       (["--finalists", "0"], "--finalists must be >= 1")])
 def test_zero_or_negative_counts_and_unknown_names_are_refused_before_ray(argv, key):
     mod = load(FILES[0])
     with pytest.raises(ConfigError, match=key):
@@ -127,6 +134,7 @@ def test_data_that_a_trial_could_not_read_fails_on_the_driver(tmp_path):
     archive = tmp_path / "train.zip"
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr("airplane/0.jpg", b"listed, not decoded")
+        z.writestr("bird/0.jpg", b"listed, not decoded")   # two classes: one class alone is refused as such
     (tmp_path / "empty").mkdir()
 
     def plan(*argv):
@@ -161,3 +169,13 @@ def test_grace_period_counts_the_images_of_an_imagefolder_zip(tmp_path):
     # H = 1 / ((1 - 0.99) * 8) = 12.5 epochs; 3 H = 37.5 -> 38 (under a 100-epoch budget)
     assert grace_rule(base, space, 100) == 38
     assert grace_rule(base, space, 20) == 20
+
+
+def test_the_confirm_stage_takes_fresh_seeds_and_the_objective_is_recorded():
+    mod = load(FILES[0])
+    plan = prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, ["--confirm-seeds", "5"]))
+    assert plan.confirm.seeds == (1, 2, 3, 4, 5) and plan.tags["cowtune.objective"] == "val/error_teacher_mean3"
+    assert plan.grace == 150                                    # half of the 300-epoch budget (min_rung=0.5)
+    assert prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, ["--no-confirm"])).confirm is None
+    with pytest.raises(ConfigError, match="not include the search trials' seed 3"):
+        prepare_search(mod.BASE, mod.SPACE, mod.SEARCH, parse_args(mod.SEARCH, ["--set", "seed=3"]))

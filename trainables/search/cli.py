@@ -38,10 +38,15 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 
 def _cmd_final(args: argparse.Namespace) -> int:
     from trainables.search.final_job import run_final
+    from trainables.search.settings import check_job_name
 
     if not Path(args.config).exists():
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")
     name = args.name or f"{Path(args.config).stem}-final"
+    check_job_name(name)
+    # each dataset's folder as an absolute path: the runs train in other folders (Ray's workers)
+    args.datasets = {k: str(Path(v).expanduser().resolve()) if "://" not in v and Path(v).expanduser().exists() else v
+                     for k, v in args.datasets.items()}
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     out = args.out or str(Path("final") / name)
     writable_folder(out, "--out", create=False)   # before any run trains: the table is written at the end

@@ -150,7 +150,8 @@ def _train(plan: Any, args: Any, uri: str, experiment_id: str, parent_id: str, e
     specs = [{"config": {**configs[label], "seed": seed}, "label": label, "seed": seed,
               "tags": {STAGE_TAG: "confirm", CANDIDATE_TAG: label, "cowtune.confirm_seed": str(seed)}}
              for label in labels for seed in seeds]
-    resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
+    resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0),
+                                args.gpu_share)
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "confirm",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
             "mean_of_last": candidates[0].window, "metric": metric}

@@ -66,6 +66,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
                                                                          plan.settings, list(round_.paths))
     try:
         return _run(plan, space, settings, args, uri, experiment_id, exp_path, parent_id, restoring, round_, study_db)
+    except SystemExit:   # every trial failed: said in one line, the parent run already ended as FAILED
+        raise
     except BaseException as exc:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes, re-opens it)
         if outbox.is_outage(exc):   # MLflow gone at the end: Ray holds every result, the trials' nodes their records
             raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on"
@@ -76,7 +78,8 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
 
 def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, uri: str, experiment_id: str,
          exp_path: str, parent_id: str, restoring: bool, round_: studies.Round, study_db: Any) -> Any:
-    resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0))
+    resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0),
+                                args.gpu_share)
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
             "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
             "mean_of_last": settings.mean_of_last, "metric": settings.metric}
@@ -122,7 +125,12 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})
+    if results and failed == len(results):   # nothing to compare or promote: one line and a failing exit status
+        first = next(str(r.error).strip().splitlines()[-1] for r in results if r.error)
+        print(f"{plan.name}: error: every trial failed ({failed} of {len(results)}); the first: {first[:300]}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
     print(f"done: {len(results)} trials ({failed} failed). Compare them with "
           + summary.ui_link(uri, experiment_id)
-          + f"; promote the best with `cowtune promote --search {plan.name}`", flush=True)
+          + f"; promote with `cowtune promote --search {plan.name}`", flush=True)
     return results

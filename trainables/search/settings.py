@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,23 @@ class Plan:
     confirm: Confirm | None = None   # the confirm stage as this command runs it (None: off)
 
 
+# GPU share per trial by model, so that packed trials fit one 80 GB card. wrn28_2: four (H100, trials taking turns: 2, 4, 8
+# packed deliver 135 steps/s, one alone 127), so that start-ups and evaluations overlap the others' training.
+GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
+                "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
+
+
+def trial_resources(model: str, cpus: int, gpus_in_cluster: float, share: float | None = None) -> dict[str, float]:
+    """{"cpu": cpus, "gpu": share of the model (or ``share``)} when the cluster has GPUs, else CPU only."""
+    if gpus_in_cluster <= 0:
+        return {"cpu": cpus}
+    if share is not None:
+        return {"cpu": cpus, "gpu": share}
+    if model not in GPU_FRACTION:
+        raise ConfigError(f"model '{model}' has no entry in GPU_FRACTION; known: {', '.join(sorted(GPU_FRACTION))}")
+    return {"cpu": cpus, "gpu": GPU_FRACTION[model]}
+
+
 def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"search {settings.name}")
     p.add_argument("--trials", type=int, help=f"number of trials (default {settings.num_samples})")
@@ -96,6 +114,9 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
                         "search")
     p.add_argument("--concurrency", type=int, default=None, help="max trials at once (default: as resources allow)")
     p.add_argument("--cpus-per-trial", type=int, default=1)
+    p.add_argument("--gpu-share", type=float, metavar="F",
+                   help="GPU share per trial, e.g. 0.125 to pack 8 trials on a GPU (default: the model's, "
+                        "GPU_FRACTION in trainables/search/settings.py; each trial caps its memory at it)")
     p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")
     p.add_argument("--no-compile-ahead", action="store_true",
                    help="do not compile the training step on this machine's GPU while the trials start "
@@ -113,6 +134,13 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
                    help="Ray Tune's own console output (its trial status tables, each trial's config and result, the "
                         "trials' per-epoch lines) instead of the compact progress table; LEVEL 2: every result")
     return p.parse_args(argv)
+
+
+def check_job_name(name: str, flag: str = "--name") -> None:
+    """A search or final job's name names a folder, a lock file and an MLflow experiment: one plain word."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+        raise ConfigError(f"{flag} must be one word of letters, digits, '.', '_' or '-' (it names a folder and an "
+                          f"MLflow experiment), got {name!r}")
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +205,7 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
         except ConfigError as exc:
             raise ConfigError(f"search space sample {i} {values} makes an invalid config: {exc}") from None
         check(sample.data.eval_split == "val", "search space", "never set data.eval_split to 'test'", values)
+    check(args.gpu_share is None or 0 < args.gpu_share <= 1, "--gpu-share", "be in (0, 1]", args.gpu_share)
     trials = args.trials if args.trials is not None else (2 if args.smoke_test else settings.num_samples)
     check(trials >= 1, "--trials", "be >= 1", trials)
     epochs = cfg.train.epochs
@@ -185,6 +214,12 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     storage = storage if "://" in storage else str(writable_folder(storage, "--storage", create=False).resolve())
     seed = settings.seed if args.seed is None else args.seed
     name = args.name or name
+    check_job_name(name)
+    check(args.cpus_per_trial >= 1, "--cpus-per-trial", "be >= 1", args.cpus_per_trial)
+    if not os.environ.get("RAY_ADDRESS"):   # a local Ray has this machine's cores; a trial asking more never starts
+        cores = os.cpu_count() or 1
+        check(args.cpus_per_trial <= cores, "--cpus-per-trial", f"be at most this machine's {cores} cores (Ray "
+              "would wait for them for ever)", args.cpus_per_trial)
     key = json.dumps([d, repr(sorted(intervals.leaves(space), key=lambda t: t[0])), trials, seed, grace]
                      + ([points[1:]] if settings.points else [])    # unchanged for searches without points
                      + ([settings.objective] if settings.mean_of_last > 1 else []), sort_keys=True)

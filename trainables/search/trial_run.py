@@ -40,6 +40,8 @@ class TrialRun:
                                          tags={PARENT_TAG: parent_id, TRIAL_TAG: trial_id, **tags})
             run_id = run.info.run_id
             params = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(config).items()]
+            params += [Param(f"{k}.{end}", str(float(x))) for k, v in flatten(config).items() if _is_range(v)
+                       for end, x in zip(("lo", "hi"), v)]   # numbers, for MLflow's compare and parallel views
             for i in range(0, len(params), 100):
                 self.client.log_batch(run_id, params=params[i:i + 100])
             self.created = True
@@ -84,3 +86,9 @@ class TrialRun:
                  f"{self.run_id} are kept in {home} on {socket.gethostname()}; when it answers, run `cowtune upload "
                  f"{home.parent}` there (the trial's results are also in Ray's storage)")
         return home
+
+
+def _is_range(value: Any) -> bool:
+    """A (lo, hi) pair of numbers, as CowMask's sigma and proportion ranges."""
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))

@@ -26,6 +26,7 @@ from trainables.config import TrainConfig
 from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
+from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
 from trainables.search.trial_run import TrialRun
 from trainables.fast.compile_options import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
@@ -33,24 +34,11 @@ from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
 LIVE_CURVE_S = 30.0   # seconds between a trial's own learning-curve drawings
 
-# GPU share per trial by model, so that packed trials fit one 80 GB card. wrn28_2: four (H100, trials taking turns: 2, 4, 8
-# packed deliver 135 steps/s, one alone 127), so that start-ups and evaluations overlap the others' training.
-GPU_FRACTION = {"cnn_tiny": 0.125, "wrn28_2": 0.25, "wrn26_2_shakeshake": 0.5, "wrn20_6_shakeshake": 0.5,
-                "resnet18": 0.5, "wrn28_8": 1.0, "wrn26_6_shakeshake": 1.0, "resnet50": 1.0, "resnet152": 1.0}
 META, TRAIN_CONFIG = "_cowtune", "_final"   # driver settings; final runs: {"config": ..., "dataset", "labels", ...}
 
 _DATA: dict[str, TrainData] = {}   # per worker process: loaded once, shared by the trials it runs
 DATA_LOADS = 0
 _OUT_DIRS: list[Path] = []         # this worker's trial folders, removed when it starts its next trial
-
-
-def trial_resources(model: str, cpus: int, gpus_in_cluster: float) -> dict[str, float]:
-    """{"cpu": cpus, "gpu": share of the model} when the cluster has GPUs, else CPU only."""
-    if gpus_in_cluster <= 0:
-        return {"cpu": cpus}
-    if model not in GPU_FRACTION:
-        raise ConfigError(f"model '{model}' has no entry in GPU_FRACTION; known: {', '.join(sorted(GPU_FRACTION))}")
-    return {"cpu": cpus, "gpu": GPU_FRACTION[model]}
 
 
 class HoldoutOnly:
@@ -134,17 +122,15 @@ def train_trial(config: dict[str, Any]) -> None:
     window = meta.get("mean_of_last", 1)   # the search's objective: its metric averaged over the last epochs
 
     def report(epoch: int, metrics: dict[str, float], ckpt_path: Path) -> None:
-        history = None
-        if window > 1:   # from the run's own metrics.jsonl, which a resumed trial's checkpoint folder carries
-            history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        # The run's own metrics.jsonl (a resumed trial's checkpoint folder carries it): the objective; a live curve at
+        # most every LIVE_CURVE_S (one takes ~0.2 s of an H100 epoch's ~1.5 s; the driver draws the final one)
+        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if window > 1:
             metrics = {**metrics, M.mean_of_last(meta["metric"], window): M.window_mean(history, meta["metric"],
                                                                                       window)}
         run.log_epoch(epoch, metrics)
-        # A live curve at most every LIVE_CURVE_S (drawing one takes ~0.2 s of an epoch's ~1.5 s on an H100);
-        # the driver draws the final one from MLflow when the trial ends, stopped early or not.
         if time.monotonic() - last_curve[0] >= LIVE_CURVE_S:
             last_curve[0] = time.monotonic()
-            history = history or [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             run.log_artifact(learning_curve_png(history, out / CURVE_FILE, trial_name))
         if epoch == cfg.train.epochs:   # before the last report: a scheduler may stop the trial right after it
             run.log_artifact(ckpt_path, "checkpoint")    # what `cowtune promote` registers
