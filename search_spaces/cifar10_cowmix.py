@@ -20,8 +20,8 @@ SPACE = {
     },
     "teacher": {"alpha": Float(0.9, 0.999),                           # paper 0.97
                 "anneal": Choice([False, True])},                     # (1 - alpha) follows the LR; paper off
-    # Where WRN-28-2's seed-to-seed noise lives (docs/search.md, "Noise"): runs that end 10-18 points behind start
-    # near chance (79-90% after epoch 1), so the start is searched too
+    # Where WRN-28-2's seed-to-seed noise lives (docs/search.md, "Noise"): the runs that end 10-18 points behind
+    # stall at 45-60% in epochs 6-24, at the full LR, so the LR and its start are searched too
     "optim": {"lr_per_256": Float(0.01, 0.3, log=True),                # paper 0.05
               "warmup_epochs": Float(0.0, 8.0)},                      # linear LR warm-up; paper 0
 }
