@@ -28,7 +28,8 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
 
     work = Path(tempfile.mkdtemp(prefix="cowtune-search-bench-"))
     cmd = [sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--trials", str(trials),
-           "--epochs", str(epochs), "--name", "search-bench", "--storage", str(work / "ray_results")]
+           "--epochs", str(epochs), "--name", "search-bench", "--storage", str(work / "ray_results"),
+           "--no-confirm"]   # the search's own wall time; the confirm stage is as many full runs again
     cmd += ["--smoke-test"] if tiny else ["--set", f"model={model}"]
     if data:
         cmd += ["--data", str(Path(data).resolve())]
