@@ -3,8 +3,8 @@ config whose lead was seed luck is not promoted, a config better over fresh seed
 
 The search's three trials are fixed: the "paper's" point (a weak learning rate, 0.02), the same config on another
 training seed (``seed`` is in the space: whatever it scores in the search is luck, as it is the paper's config),
-and a learning rate that learns (0.5). Both finalists and the paper's config then train on seeds 1, 2, 3 (three
-epochs of 20 steps spread a tiny model's seeds by up to 11 points, so the search file allows 20). On fresh
+and a learning rate that learns (0.5). Both finalists and the paper's config then train on seeds 1, 2, 3 (two
+epochs of 12 steps spread a tiny model's seeds by up to 11 points, so the search file allows 20). On fresh
 seeds the lucky one is the paper's config run for run (the stage sets the seed), so its paired differences are all
 0 and it must not be promoted; the learning rate that learns must be, and `cowtune promote` writes it.
 """
@@ -26,12 +26,12 @@ from trainables.search.driver import Confirm, SearchSettings, run_search
 from trainables.search.intervals import Choice
 
 SPACE = {{"seed": Choice([0, 1]), "optim": {{"lr_per_256": Choice([{WEAK_LR!r}, {GOOD_LR!r}])}}}}
-SEARCH = SearchSettings(name="confirm", mean_of_last=2, grace_period=3,   # no early stop: each trial trains it all
+SEARCH = SearchSettings(name="confirm", mean_of_last=2, grace_period=2,   # no early stop: each trial trains it all
                         confirm=Confirm(finalists=2, seeds=(1, 2, 3), max_std=0.2, max_rise=0.2),
                         points=({{"seed": 1}}, {{"optim": {{"lr_per_256": {GOOD_LR!r}}}}}))
 run_search(BASE, SPACE, SEARCH)
 '''
-BASE_SET = [f"optim.lr_per_256={WEAK_LR}", "train.steps_per_epoch=20", "mix.weight=1.0", "teacher.alpha=0.5"]
+BASE_SET = [f"optim.lr_per_256={WEAK_LR}", "train.steps_per_epoch=12", "mix.weight=1.0", "teacher.alpha=0.5"]
 COWTUNE = [sys.executable, "-m", "trainables.cli"]
 
 
@@ -40,7 +40,7 @@ def confirmed(search_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("confirm")
     (tmp / "confirm_search.py").write_text(SCRIPT)
     out = run_checked([sys.executable, str(tmp / "confirm_search.py"), "--smoke-test", "--trials", "3", "--epochs",
-                       "3", "--concurrency", "1", "--name", "confirm", "--storage", str(tmp / "ray"),
+                       "2", "--concurrency", "1", "--name", "confirm", "--storage", str(tmp / "ray"),
                        *[a for kv in BASE_SET for a in ("--set", kv)]], search_env, tmp)
     client = MlflowClient(search_env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("confirm")
