@@ -93,3 +93,12 @@ def test_halving_rounds_take_fresh_seeds():
     c = Confirm(seeds=(1, 2, 3), halvings=2)
     assert [c.seeds_of_round(k) for k in range(3)] == [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
     assert not math.isnan(cand(REFERENCE, [0.1, 0.2, 0.3]).std)
+
+
+def test_a_finalist_or_reference_with_failed_seeds_is_not_judged():
+    paper = cand(REFERENCE, [0.30, 0.24, 0.42])
+    short = cand("short", [0.10, 0.11])                 # its third seed failed
+    assert judge([paper, short], Confirm(), seeds=3) is paper and "only 2 of 3 seeds" in short.verdict
+    broken = cand(REFERENCE, [0.30])
+    assert judge([broken, cand("a", [0.2, 0.2, 0.2])], Confirm(), seeds=3) is None
+    assert "| short |" in table([paper, short], "obj") and math.isnan(Candidate("x", None).mean)

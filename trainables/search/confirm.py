@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -114,7 +115,11 @@ def run_confirm(plan: Any, space: dict[str, Any], settings: Any, args: Any, uri:
                 if c not in kept:
                     c.verdict = f"dropped after {len(c.objective)} seeds (the worse half)"
             racing = kept
-    winner = gate.judge(racing, confirm)
+    winner = gate.judge(racing, confirm, seeds=len(confirm.seeds) * (confirm.halvings + 1))
+    if winner is None:   # the reference's runs failed: nothing to compare against, and nothing recorded to promote
+        print(f"confirm: error: the paper's config did not finish all its seeds ({reference_line(racing)}); "
+              "run the search command again to finish the stage", file=sys.stderr, flush=True)
+        return None
     rungs = asha_rungs(plan.grace, settings.reduction_factor, plan.epochs)
     noise = gate.noise_and_rank(everyone, rungs, settings.mean_of_last)
     runs = sum(len(c.objective) for c in everyone)
@@ -130,6 +135,10 @@ def run_confirm(plan: Any, space: dict[str, Any], settings: Any, args: Any, uri:
              f"confirm: no finalist beats the paper's config beyond seed noise; `cowtune promote --search "
              f"{plan.name}` promotes the paper's"), flush=True)
     return record
+
+
+def reference_line(candidates: list[Candidate]) -> str:
+    return next(c.verdict for c in candidates if c.label == REFERENCE)
 
 
 def asha_rungs(grace: int, reduction_factor: int, max_t: int) -> list[int]:

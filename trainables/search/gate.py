@@ -71,7 +71,7 @@ class Candidate:
 
     @property
     def mean(self) -> float:
-        return float(self.values.mean())
+        return float(self.values.mean()) if self.objective else float("nan")
 
     @property
     def std(self) -> float:
@@ -96,13 +96,22 @@ def paired_p(candidate: Candidate, reference: Candidate) -> float:
                                  alternative="less").pvalue)
 
 
-def judge(candidates: list[Candidate], confirm: Confirm) -> Candidate:
-    """Sets each candidate's verdict and p-value; returns the winner (the reference when no finalist passes)."""
+def judge(candidates: list[Candidate], confirm: Confirm, seeds: int | None = None) -> Candidate | None:
+    """Sets each candidate's verdict and p-value; returns the winner (the reference when no finalist passes), or
+    None when the reference's own runs did not all finish (``seeds``: how many each config trained; a finalist with
+    fewer finished is not judged)."""
+    seeds = seeds or max(len(c.objective) for c in candidates)
     reference = next(c for c in candidates if c.label == REFERENCE)
+    if len(reference.objective) < seeds:
+        reference.verdict = f"only {len(reference.objective)} of {seeds} seeds finished: nothing can be judged"
+        return None
     reference.verdict = "reference"
     passing = []
     for c in candidates:
         if c is reference:
+            continue
+        if len(c.objective) < seeds:
+            c.verdict = f"only {len(c.objective)} of {seeds} seeds finished"
             continue
         c.p_value = paired_p(c, reference)
         why = []
@@ -175,7 +184,8 @@ def table(candidates: list[Candidate], objective: str) -> str:
         per_seed = " / ".join(f"{100 * c.objective[s]:.2f}" if s in c.objective else "-" for s in seeds)
         search = "" if c.search_value is None else f"{100 * c.search_value:.2f}%"
         p = "" if c.p_value is None else f"{c.p_value:.3f}"
-        lines.append(f"| {c.label} | {search} | {100 * c.mean:.2f} ± {100 * c.std:.2f}% | {per_seed} | "
+        mean = f"{100 * c.mean:.2f} ± {100 * c.std:.2f}%" if c.objective else "-"
+        lines.append(f"| {c.label} | {search} | {mean} | {per_seed} | "
                      f"{100 * c.rise:.1f} | {p} | {c.verdict} |")
     return "\n".join(lines)
 
