@@ -150,14 +150,19 @@ def out_in_use(t: Ctx) -> list[str]:
     """Another process holds the --out folder's lock, as a first `cowtune train` into it does."""
     from trainables.trainer import RUN_LOCK
     (t.tmp / "run").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from trainables.file_locks import hold_job_lock; "
-        f"hold_job_lock({str(t.tmp / 'run' / RUN_LOCK)!r}, 'train'); print('held', flush=True); time.sleep(120)")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    t.defer(lambda: (holder.kill(), holder.wait()))
-    assert holder.stdout.readline().strip() == "held"
+    holder = lock_held_elsewhere(t, "from trainables.file_locks import hold_job_lock; "
+                                    f"hold_job_lock({str(t.tmp / 'run' / RUN_LOCK)!r}, 'train')")
     t.expect.append(f"(pid {holder.pid} on ")
     return digits()(t)
+
+
+def lock_held_elsewhere(t: Ctx, take_lock: str) -> subprocess.Popen:
+    """A second process that runs ``take_lock`` (Python) and holds it until the case ends."""
+    holder = subprocess.Popen([sys.executable, "-c", f"import time; {take_lock}; print('held', flush=True); "
+                               "time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t.defer(lambda: (holder.kill(), holder.wait()))
+    assert holder.stdout.readline().strip() == "held"
+    return holder
 
 
 def search(*args: str, storage: str = "ray") -> Callable[[Ctx], list[str]]:
@@ -175,12 +180,8 @@ def search_running_already(t: Ctx) -> list[str]:
     """Another process holds the search's lock, as a first driver does (tests/test_search.py)."""
     storage = t.tmp / "ray"
     storage.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from trainables.search.job_settings import lock_job; "
-        f"lock_job('dup', {str(storage)!r}, 'search'); print('held', flush=True); time.sleep(120)")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    t.defer(lambda: (holder.kill(), holder.wait()))
-    assert holder.stdout.readline().strip() == "held"
+    holder = lock_held_elsewhere(t, "from trainables.search.job_settings import lock_job; "
+                                    f"lock_job('dup', {str(storage)!r}, 'search')")
     t.expect.append(f"search dup in {storage} is running already (pid {holder.pid} on ")
     return ["--smoke-test", "--name", "dup", "--storage", str(storage)]
 

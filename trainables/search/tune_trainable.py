@@ -124,12 +124,14 @@ def train_trial(config: dict[str, Any]) -> None:
     def report(epoch: int, metrics: dict[str, float], ckpt_path: Path) -> None:
         # The run's own metrics.jsonl (a resumed trial's checkpoint folder carries it): the objective; a live curve at
         # most every LIVE_CURVE_S (one takes ~0.2 s of an H100 epoch's ~1.5 s; the driver draws the final one)
-        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        curve_due = time.monotonic() - last_curve[0] >= LIVE_CURVE_S
+        history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+            if window > 1 or curve_due else []
         if window > 1:
             metrics = {**metrics, M.mean_of_last(meta["metric"], window): M.window_mean(history, meta["metric"],
                                                                                       window)}
         run.log_epoch(epoch, metrics)
-        if time.monotonic() - last_curve[0] >= LIVE_CURVE_S:
+        if curve_due:
             last_curve[0] = time.monotonic()
             run.log_artifact(learning_curve_png(history, out / CURVE_FILE, trial_name))
         if epoch == cfg.train.epochs:   # before the last report: a scheduler may stop the trial right after it
