@@ -298,27 +298,38 @@ def build(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------- install (the device)
 
 def install(args: argparse.Namespace) -> None:
+    """Unpack the carried tarball into ``--target`` once and print the ``export`` line for ``eval``. A later call
+    that no longer carries the tarball reuses what an earlier one unpacked. On failure it prints ``false``, so that
+    ``eval "$(... install ...)" && ...`` stops there rather than going on without the packages."""
     target = Path(args.target).resolve()
     tarball = Path(args.tarball)
-    if not tarball.is_file():
-        sys.exit(f"{tarball} is missing: name it in the call's carry list")
     stamp = target / ".devbundle-stamp"
-    key = f"{tarball.stat().st_size}:{int(tarball.stat().st_mtime)}"
-    if not (stamp.is_file() and stamp.read_text() == key):
-        if target.exists() and any(target.iterdir()):
-            if not stamp.is_file():
-                sys.exit(f"{target} is not empty and holds no earlier bundle: pick another --target")
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-        with tarfile.open(tarball, "r:xz") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(target, filter="data")
-            else:
-                tar.extractall(target)
-        stamp.write_text(key)
-        log(f"unpacked {tarball} into {target}")
+
+    def fail(message: str) -> None:
+        print("false")
+        sys.exit(message)
+
+    if not tarball.is_file():
+        if not stamp.is_file():
+            fail(f"{tarball} is missing and {target} holds no bundle: name it in the call's carry list")
+        log(f"{target} holds the bundle an earlier call unpacked ({tarball} not carried this time)")
     else:
-        log(f"{target} already holds {tarball}")
+        key = f"{tarball.stat().st_size}:{int(tarball.stat().st_mtime)}"
+        if stamp.is_file() and stamp.read_text() == key:
+            log(f"{target} already holds {tarball}")
+        else:
+            if target.exists() and any(target.iterdir()):
+                if not stamp.is_file():
+                    fail(f"{target} is not empty and holds no earlier bundle: pick another --target")
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+            with tarfile.open(tarball, "r:xz") as tar:
+                if hasattr(tarfile, "data_filter"):
+                    tar.extractall(target, filter="data")
+                else:
+                    tar.extractall(target)
+            stamp.write_text(key)
+            log(f"unpacked {tarball} into {target}")
     print(f"export PYTHONPATH={target}${{PYTHONPATH:+:$PYTHONPATH}}")
 
 
