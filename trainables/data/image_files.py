@@ -176,6 +176,14 @@ def _layout(names: list[str], shown: str) -> tuple[list[tuple[str, str, str]], l
     return train, test, classes
 
 
+def listed_labels(root: str, shown: str, broken: str = "stop") -> np.ndarray:
+    """The training split's class indices of the tree or .zip ``root`` (absolute), from its listing alone (no image
+    decoded): what a driver checks the holdout and labeled subset against before any worker loads the data."""
+    train, _, classes = _layout(_list_images(root, shown, broken=broken), shown)
+    index = {c: i for i, c in enumerate(classes)}
+    return np.array([index[c] for _, c, _ in train], dtype=np.int64)
+
+
 def _skip_wrappers(parts: list[list[str]]) -> tuple[list[list[str]], int]:
     """Path parts below the leading folders every path shares (e.g. a zip wrapping the tree), down to the split
     or class folders, and how many were skipped."""

@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.data import check_source, train_size
+from trainables.data import TRAIN_SIZES, check_source, make_splits, train_size
+from trainables.data.image_files import listed_labels
 from trainables.presets import apply_overrides, read_config_file
 from trainables.search import intervals
 from trainables.search.gate import Confirm
@@ -255,8 +258,33 @@ def confirm_stage(settings: SearchSettings, args: argparse.Namespace, search_see
     return confirm
 
 
+# Classes of the datasets whose size is known without their files (TRAIN_SIZES): CIFAR's are balanced, SVHN's hold
+# thousands each, so the holdout and labeled subset are checked against balanced labels of that size
+CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10}
+
+
 def check_files(plan: Plan, args: argparse.Namespace) -> None:
-    """The data files a trial will read are there (listed, not decoded); raises ConfigError.
-    ``--skip-data-check`` skips this where only the workers hold the data."""
+    """The data files a trial will read are there (listed, not decoded), and its holdout and labeled subset fit
+    them, as `cowtune train` finds before it trains; raises ConfigError. ``--skip-data-check`` skips this where only
+    the workers hold the data (a dataset of known size is still checked)."""
+    cfg = TrainConfig.from_dict(plan.base)
     if not args.skip_data_check:
-        check_source(TrainConfig.from_dict(plan.base).data)
+        check_source(cfg.data)
+    check_splits(cfg, listed=not args.skip_data_check)
+
+
+def check_splits(cfg: TrainConfig, listed: bool = True) -> None:
+    """``make_splits``' checks of data.n_val and data.n_labeled (a holdout larger than the data, fewer labels than
+    classes, a class too small to split) against the labels the data will have: an ImageFolder's from its listing
+    (``listed``), digits' and torchvision datasets' from their known sizes. Nothing is decoded."""
+    d = cfg.data
+    if d.dataset == "imagefolder" and listed:
+        labels = listed_labels(os.path.abspath(os.path.expanduser(d.root)), d.root, d.unreadable)
+    elif d.dataset == "digits":
+        from sklearn.datasets import load_digits
+        labels = load_digits().target
+    elif d.dataset in CLASSES:
+        labels = np.arange(TRAIN_SIZES[d.dataset]) % CLASSES[d.dataset]
+    else:
+        return
+    make_splits(labels, d.n_val, d.val_seed, d.n_labeled, cfg.labeled_seed)
