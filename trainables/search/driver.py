@@ -30,7 +30,8 @@ from trainables.search.confirm import run_confirm
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.gate import Confirm
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
-from trainables.search.settings import HOLDOUT, SearchSettings, check_files, parse_args, prepare_search
+from trainables.search.settings import (HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args,
+                                       prepare_search)
 from trainables.search.tune_trainable import META, train_trial, trial_resources
 from trainables.validation import ConfigError
 
@@ -45,6 +46,7 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     try:
         plan = prepare_search(base, space, settings, args)  # every check before Ray starts, then the files
         check_files(plan, args)
+        check_data_fits(plan, args)   # the holdout and labels against the data: not every trial failing on it
         check_tracking_server()
         study_db = studies.open_storage(url) if (url := studies.storage_url(args.optuna_storage)) else None
         lock_job(plan.name, plan.storage, "search")   # one driver at a time for a search

@@ -264,13 +264,16 @@ CLASSES = {"cifar10": 10, "cifar100": 100, "svhn": 10}
 
 
 def check_files(plan: Plan, args: argparse.Namespace) -> None:
-    """The data files a trial will read are there (listed, not decoded), and its holdout and labeled subset fit
-    them, as `cowtune train` finds before it trains; raises ConfigError. ``--skip-data-check`` skips this where only
-    the workers hold the data (a dataset of known size is still checked)."""
-    cfg = TrainConfig.from_dict(plan.base)
+    """The data files a trial will read are there (listed, not decoded); raises ConfigError.
+    ``--skip-data-check`` skips this where only the workers hold the data."""
     if not args.skip_data_check:
-        check_source(cfg.data)
-    check_splits(cfg, listed=not args.skip_data_check)
+        check_source(TrainConfig.from_dict(plan.base).data)
+
+
+def check_data_fits(plan: Plan, args: argparse.Namespace) -> None:
+    """The trials' holdout and labeled subset fit their data, as `cowtune train` finds before it trains (after
+    ``check_files``); raises ConfigError. With ``--skip-data-check`` only a dataset of known size is checked."""
+    check_splits(TrainConfig.from_dict(plan.base), listed=not args.skip_data_check)
 
 
 def check_splits(cfg: TrainConfig, listed: bool = True) -> None:
