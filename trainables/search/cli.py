@@ -36,6 +36,13 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_confirm(args: argparse.Namespace) -> int:
+    from trainables.search.more_seeds import run
+
+    run(args)
+    return 0
+
+
 def _cmd_final(args: argparse.Namespace) -> int:
     from trainables.search.final_job import run_final
     from trainables.search.settings import check_job_name
@@ -71,6 +78,18 @@ def _cmd_upload(args: argparse.Namespace) -> int:
     return 1 if waiting else 0
 
 
+def confirm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--search", required=True, help="the search's name (its MLflow experiment)")
+    p.add_argument("--add-seeds", type=int, default=3, metavar="N",
+                   help="fresh seeds to add, after the largest used (default 3)")
+    p.add_argument("--only", help="comma-separated finalists to extend (default: the one with the lowest mean)")
+    p.add_argument("--storage", help="where the new runs' Ray results go (default: $COWTUNE_STORAGE or ./ray_results)")
+    p.add_argument("--cpus-per-trial", type=int, default=1)
+    p.add_argument("--gpu-share", type=float, metavar="F", help="each run's share of a GPU (e.g. 0.125: 8 per GPU)")
+    p.add_argument("--concurrency", type=int, default=None, help="max runs at once (default: as resources allow)")
+    p.add_argument("--ray-output", action="store_true", help="Ray Tune's own progress output")
+
+
 def add_search_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("promote", help="register the confirmed best config of a search and write it")
     p.add_argument("--search", required=True, help="search name (the MLflow experiment), e.g. cifar10_cowmix")
@@ -80,6 +99,10 @@ def add_search_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unconfirmed", action="store_true",
                    help="a search without a confirm stage: promote its single best trial (one seed: partly luck)")
     p.set_defaults(func=_cmd_promote)
+
+    c = sub.add_parser("confirm", help="add fresh seeds to a search's confirm stage and judge it again over all of them")
+    confirm_arguments(c)
+    c.set_defaults(func=_cmd_confirm)
 
     f = sub.add_parser("final", help="train the promoted config on datasets x label counts x seeds; test-split table")
     f.add_argument("--config", default="promoted.yaml", help="promoted config (default promoted.yaml)")

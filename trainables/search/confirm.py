@@ -126,7 +126,8 @@ def run_confirm(plan: Any, space: dict[str, Any], settings: Any, args: Any, uri:
     record = gate.to_record(everyone, winner, objective, {
         "winner_config": configs[winner.label], "winner_run_id": _typical_run(uri, experiment_id, parent_id, winner),
         "seeds": sorted({s for c in everyone for s in c.objective}), "rungs": rungs, "noise": noise, "runs": runs,
-        "wall_s": time.monotonic() - t0, "confirm": repr(confirm)})
+        "wall_s": time.monotonic() - t0, "confirm": repr(confirm),
+        "metric": settings.metric, "window": settings.mean_of_last})
     text = gate.table(everyone, objective)
     _record(uri, parent_id, record, text, noise)
     print(f"confirm: {runs} runs in {time.monotonic() - t0:.0f} s\n{text}\n" + _noise_line(noise) + "\n"
