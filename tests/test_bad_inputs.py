@@ -678,3 +678,25 @@ def test_evaluate_says_when_it_scores_the_runs_own_training_images(tmp_path, mon
     assert notes == [f"note: {tree} is the run's own training data (its data.root), every class folder scored: it "
                      "trained on these images, so this is no test error"]
     assert __import__("json").loads((tmp_path / "r.json").read_text())["training_images"] is True
+
+
+@pytest.mark.slow
+def test_a_config_error_in_a_trial_is_said_once_and_not_trained_again(search_env, tmp_path):
+    """A trial whose data only its worker checks (--skip-data-check: 18 images, the smoke test's holdout of 200)
+    fails with a ConfigError. Ray retries every failure (max_failures 2), but the attempt it queues stops at once
+    with the same message, before reading the data; the search exits 1 with the message on its last line, and no
+    traceback is printed."""
+    _write_tree(tmp_path / "tree", 3, 6, 16, False)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke-test", "--trials", "1", "--name", "cfgerr",
+                          "--data", str(tmp_path / "tree"), "--set", "data.dataset=imagefolder", "--skip-data-check",
+                          "--no-confirm", "--no-compile-ahead", "--storage", str(tmp_path / "ray")],
+                         env=search_env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    message = "data.n_val must be smaller than the training split (18 images), got 200"
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (f"cfgerr: error: every trial failed (1 of 1); the first: "
+                                           f"trainables.validation.ConfigError: {message}"), out.stderr[-3000:]
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "Ray runs it again" not in out.stdout
+    errors = list((tmp_path / "ray").glob("cfgerr/*/error.txt"))
+    failures = [line for line in errors[0].read_text().splitlines() if line.startswith("Failure # ")]
+    assert len(errors) == 1 and len(failures) == 2, failures   # not 3: the retry stopped at once, and was the last

@@ -2,6 +2,7 @@
 start Ray, open or re-open the MLflow parent run and the Ray experiment, close each trial's child run."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import warnings
@@ -17,14 +18,46 @@ from trainables.curves import CURVE_FILE, learning_curve_png
 from trainables.search import tracking
 from trainables.search.outbox import is_outage
 from trainables.search.job_settings import experiment_path, log_params, setting_params
+from trainables.search.tune_trainable import META, REFUSED
+from trainables.validation import ConfigError
+
+TUNE_CONTROLLER = "ray.tune.execution.tune_controller"   # logs "Trial task failed" with the traceback
+CONFIG_ERROR = f"{ConfigError.__module__}.{ConfigError.__qualname__}: "   # how a trial's error file ends with one
+
+
+def config_error(trial: Any) -> str | None:
+    """The message of the ConfigError the trial's last attempt raised (its error file's last line), else None."""
+    try:
+        last = Path(trial.error_file).read_text().strip().splitlines()[-1].strip()
+    except (OSError, TypeError, IndexError):   # no error file (yet), or an empty one
+        return None
+    return last[len(CONFIG_ERROR):] if last.startswith(CONFIG_ERROR) else None
+
+
+def _quiet_config_errors(record: logging.LogRecord) -> bool:   # Ray raises a RayTaskError that is a ConfigError
+    return not (record.exc_info and isinstance(record.exc_info[1], ConfigError))
 
 
 class FinishChildRuns(tune.Callback):
     """Driver side: close each trial's MLflow run, also when ASHA stopped it mid-training, after drawing its
-    final learning curve from what MLflow recorded (a trial redraws its own at most every 30 s)."""
+    final learning curve from what MLflow recorded (a trial redraws its own at most every 30 s). A ``ConfigError``
+    would recur, but Ray retries any failure (max_failures; no per-exception policy in 2.60): when it queues such a
+    trial again, its retries go and its config carries the message (``REFUSED``): that attempt stops at once
+    (``tune_trainable.train_trial``), before any data, model or MLflow run. Ray's traceback of it is left out."""
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
         self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
+
+    def setup(self, **info: Any) -> None:
+        logging.getLogger(TUNE_CONTROLLER).addFilter(_quiet_config_errors)
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        logging.getLogger(TUNE_CONTROLLER).removeFilter(_quiet_config_errors)
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if (message := config_error(trial)) is not None and isinstance(trial.config.get(META), dict):
+            trial.max_failures = 0   # the attempt Tune has queued is the last
+            trial.config[META] = {**trial.config[META], REFUSED: message}
 
     def _finish(self, trial: Any, status: str) -> None:
         try:

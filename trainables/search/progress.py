@@ -41,6 +41,7 @@ from ray import tune
 
 from trainables import metrics as M
 from trainables.search import intervals
+from trainables.search.tune_trainable import META, REFUSED
 
 # The trainer's routine lines, as tune_trainable prints them: "[<trial name>] <line>".
 TRAINER_LINES = r"^\[\w+_[0-9a-f]{5,8}(?:_\d{5})?\] (?:data: |model |  first step |  epoch |epoch )"
@@ -240,6 +241,8 @@ class SearchProgress(tune.Callback):
         self._end(trials, trial, "errored")
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        if (trial.config.get(META) or {}).get(REFUSED):   # a ConfigError: its retry stops at once; said as it errs
+            return
         self._notes[trial.trial_id] = (f"  {trial.trial_id} failed ({getattr(trial, 'num_failures', 1)}x) after "
                                        f"{self._epoch(trial)} epochs: {error_line(trial)}; Ray runs it again")
         self._changed = True

@@ -35,6 +35,7 @@ from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 LIVE_CURVE_S = 30.0   # seconds between a trial's own learning-curve drawings
 
 META, TRAIN_CONFIG = "_cowtune", "_final"   # driver settings; final runs: {"config": ..., "dataset", "labels", ...}
+REFUSED = "refused"   # in META: the ConfigError an earlier attempt raised (experiments.FinishChildRuns): not retried
 
 _DATA: dict[str, TrainData] = {}   # per worker process: loaded once, shared by the trials it runs
 DATA_LOADS = 0
@@ -68,6 +69,8 @@ def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
 
 def train_trial(config: dict[str, Any]) -> None:
     meta = config[META]
+    if meta.get(REFUSED):   # it would recur: this attempt, Ray's retry, ends at once (and is the last)
+        raise ConfigError(meta[REFUSED])
     search = meta["mode"] in ("search", "confirm")   # the confirm stage too: finalists re-run on the holdout
     tune_kernels_by_default(not search)   # a search's trial does not repay the tuning's longer first compile
     body = config[TRAIN_CONFIG]["config"] if TRAIN_CONFIG in config else {k: v for k, v in config.items() if k != META}
