@@ -35,7 +35,12 @@ class DataConfig:
     image_size: int | None = None     # ImageFolder: side of the training crop; None: native / 224
     colour_jitter: bool = False       # large-image path only (inception crop + flip + jitter)
     pipeline: str = "auto"            # "device" (decoded uint8 on the training device), "loader", "auto"
-    workers: int = 4                  # DataLoader workers for the large-image path
+    workers: int = 4                  # large-image path: DataLoader workers (decode pil), or the threads that read
+                                      # the files' bytes (decode device)
+    decode: str = "auto"              # large-image files: "pil" (PIL in DataLoader workers, on the host), "device"
+                                      # (torchvision's decode_jpeg on the training device, nvJPEG on a GPU, and
+                                      # the augmentation there as batched tensor ops), "auto" (device on cuda when
+                                      # the files are JPEGs, else pil); docs/imagenet.md
     unreadable: str = "stop"          # an image file that cannot be decoded: "stop" (named, nothing trains) or
                                       # "skip" (left out, each named; small images decoded once only)
 
@@ -49,6 +54,7 @@ class DataConfig:
         check(self.image_size is None or self.image_size >= 8, "data.image_size", "be >= 8 or null", self.image_size)
         check(self.pipeline in ("auto", "device", "loader"), "data.pipeline", "be 'auto', 'device' or 'loader'", self.pipeline)
         check(self.workers >= 0, "data.workers", "be >= 0", self.workers)
+        check(self.decode in ("auto", "pil", "device"), "data.decode", "be 'auto', 'pil' or 'device'", self.decode)
         check(self.unreadable in ("stop", "skip"), "data.unreadable", "be 'stop' or 'skip'", self.unreadable)
 
 

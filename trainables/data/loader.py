@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     from trainables.data.splits import Splits
 
 LOADER_IMAGE_SIZE = 224       # default training crop of the loader pipeline for files
-INCEPTION_SCALE = (0.05, 1.0)  # area fraction of the inception crop (reference 4.2)
-INCEPTION_RATIO = (3 / 4, 4 / 3)
+INCEPTION_SCALE = (0.05, 1.0)  # area fraction of the inception crop (reference 4.2) ...
+INCEPTION_RATIO = (0.75, 1.33)  # ... aspect ratio (width / height), drawn uniformly as TF does
+INCEPTION_ATTEMPTS = 100       # then the whole image
+INCEPTION_MIN_COVERED = 0.1    # TF's min_object_covered of the whole-image box: crops below 10% are redrawn
 EVAL_CROP = 0.875             # eval: centre crop of 0.875 x short side, resized to image_size
 
 
@@ -50,19 +52,36 @@ def _randint(gen: torch.Generator, high: int) -> int:
 
 
 def inception_box(width: int, height: int, gen: torch.Generator) -> tuple[int, int, int, int]:
-    """Random (left, top, right, bottom) covering 5..100% of the area with aspect ratio 3/4..4/3.
+    """Random (left, top, right, bottom): TF's ``sample_distorted_bounding_box`` as the reference calls it
+    (reference 4.2), one image at a time.
 
-    Ten attempts as torchvision's RandomResizedCrop; the fallback is the whole image (as TF's
-    sample_distorted_bounding_box in the reference).
+    The whole image is the object box; per attempt an aspect ratio uniform in 0.75..1.33, a height uniform
+    among those whose area lies in 5..100% of the image, kept if it fits and covers at least 10% of the image
+    (``min_object_covered`` 0.1); 100 attempts, then the whole image. ``gpu_decode.inception_boxes`` is the same
+    rule for a batch of tensors.
     """
     area = width * height
-    for _ in range(10):
-        target = area * _uniform(gen, *INCEPTION_SCALE)
-        aspect = math.exp(_uniform(gen, math.log(INCEPTION_RATIO[0]), math.log(INCEPTION_RATIO[1])))
-        cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < cw <= width and 0 < ch <= height:
-            left, top = _randint(gen, width - cw + 1), _randint(gen, height - ch + 1)
-            return left, top, left + cw, top + ch
+    min_area, max_area = INCEPTION_SCALE[0] * area, INCEPTION_SCALE[1] * area
+    for _ in range(INCEPTION_ATTEMPTS):
+        ar = _uniform(gen, *INCEPTION_RATIO)
+        ch, max_h = round(math.sqrt(min_area / ar)), round(math.sqrt(max_area / ar))
+        if round(max_h * ar) > width:   # the tallest crop whose rounded width still fits
+            max_h = int((width + 0.5 - 1e-7) / ar)
+            max_h -= round(max_h * ar) > width
+        max_h = min(max_h, height)
+        ch = min(ch, max_h)
+        if ch < max_h:
+            ch += _randint(gen, max_h - ch + 1)
+        cw = round(ch * ar)
+        if cw * ch < min_area:
+            ch += 1
+            cw = round(ch * ar)
+        if not (min_area <= cw * ch <= max_area and 0 < cw <= width and 0 < ch <= height
+                and cw * ch >= INCEPTION_MIN_COVERED * area):
+            continue
+        top = _randint(gen, height - ch) if ch < height else 0
+        left = _randint(gen, width - cw) if cw < width else 0
+        return left, top, left + cw, top + ch
     return 0, 0, width, height
 
 
@@ -161,6 +180,7 @@ class LoaderData:
     """
 
     pipeline = "loader"   # ``data.pipeline``'s name for it: how an evaluation image is resized
+    note = ""             # said after ``describe()`` (why data.decode auto chose this path)
 
     def __init__(self, raw: RawDataset, splits: Splits, flip: bool, image_size: int, colour_jitter: bool,
                  workers: int, device: torch.device):
@@ -236,4 +256,4 @@ class LoaderData:
         aug = f"inception crop {self.image_size}{' + flip' if self.flip else ''}" \
               f"{' + colour jitter' if self.colour_jitter else ''}"
         return (f"{self.name}: {_describe_sizes(self.sizes)}, 3x{self.image_size}x{self.image_size}, "
-                f"loader pipeline ({self.workers} workers) to {self.device} ({aug})")
+                f"loader pipeline ({self.workers} workers, PIL) to {self.device} ({aug}){self.note}")
