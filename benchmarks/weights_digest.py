@@ -8,8 +8,8 @@ the teacher and the optimiser state a case, as JSON. Run it before and after a r
     python benchmarks/weights_digest.py | diff /tmp/before.json -  # at the new one: no output, the same weights
 
 The cases cover the plain step and the CPU side of the fast path's switches: one student call a batch or the
-batches stacked with per-batch batch norm, ghost batch norm, both consistency paths, a shake-shake model, and the
-step's glue compiled with Inductor.
+batches stacked with per-batch batch norm, ghost batch norm, both consistency paths, every regularizer, a
+shake-shake model, ``train.fast`` false, and the step's glue compiled with Inductor.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ BASE = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 2
         "optim": {"lr_per_256": 0.5, "schedule": "constant"},
         "train": {"batch_size": 16, "epochs": 2, "steps_per_epoch": 3, "eval_batch_size": 256, "device": "cpu"}}
 
+LOW = ["perturb.conf_thresh=0.105", "mix.conf_thresh=0.105"]   # the tiny untrained CNN: about 0.1-0.15
 CASES = {   # --set overrides over BASE, as `cowtune train` takes them
     "cowmix": ["mix.name=cowmix"],
     "cowout": ["perturb.name=cowout"],
@@ -36,6 +37,15 @@ CASES = {   # --set overrides over BASE, as `cowtune train` takes them
     "shake-shake cowmix": ["mix.name=cowmix", "model=wrn26_2_shakeshake", "train.batch_size=4",
                            "train.steps_per_epoch=2"],
     "cowmix, compiled": ["mix.name=cowmix", "train.compile=true"],
+    # thresholds low enough that the consistency losses are not 0 in these few steps
+    "cowout+cowmix, compiled, low thresholds": ["perturb.name=cowout", "mix.name=cowmix", "train.compile=true",
+                                                *LOW],
+    "cowout+cowmix, plain step (train.fast false)": ["perturb.name=cowout", "mix.name=cowmix", "train.fast=false",
+                                                     *LOW],
+    "supervised": [],
+    "mean teacher": ["perturb.name=mean_teacher", "perturb.conf_thresh=0.105"],
+    "randerase+ict": ["perturb.name=randerase", "perturb.apply_prob=0.5", "mix.name=ict", *LOW],
+    "cutmix, per-sample confidence": ["mix.name=cutmix", "mix.conf_avg=false", "mix.conf_thresh=0.11"],
 }
 
 
