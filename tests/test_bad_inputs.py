@@ -6,13 +6,17 @@ working directory, where ./mlflow.db, ./ray_results and runs/ would go) holds ex
 In-process: ``trainables.cli.main(argv)`` and the search script run as ``__main__`` (``runpy``), stderr read with
 capsys. Guards make any case that got past its checks fail loudly instead of building a model or starting Ray.
 Only the lock cases start a process: the lock of a search or of a `cowtune train` --out folder must be held by
-another process (a flock), as in tests/test_search.py.
+another process (a flock), as in tests/test_search.py; and the full-disk cases run the command in a process of its
+own, in a user and mount namespace where ./full is a tmpfs with one free page (the kernel's ENOSPC, made for real and
+without privilege; skipped where the kernel allows no such namespace).
 
 After the table, what is not refused but must still come out right: a 16-bit PNG read as 8 bits, a disk that fills
 mid-run said in one line, the default --out of runs with overrides, and `evaluate` on a run's own training images.
 """
 from __future__ import annotations
 
+import json
+import os
 import runpy
 import subprocess
 import sys
@@ -28,8 +32,6 @@ from conftest import ROOT, free_port
 from test_data import _write_tree, _zip_tree, _zip_with_a_truncated_jpeg
 import trainables.trainer
 from trainables.cli import main
-
-BUILD_RUNNER = trainables.trainer.build_runner   # the table's cases refuse to build a model (nothing_starts)
 
 SCRIPT = ROOT / "search_spaces" / "cifar10_cowmix.py"
 CACHE = ".cache"   # COWTUNE_CACHE of every case: decode locks may stay there, decoded arrays may not
@@ -64,6 +66,7 @@ class Case:
     usage: bool = False                 # an argparse error: its usage block, then the error line
     within_s: float | None = None       # the error comes within this many seconds
     cached: bool = False                # refused after the images were decoded: their (complete) cache may stay
+    full_disk: bool = False             # run where ./full is a full disk (a tmpfs with one free page): see FULL
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -242,6 +245,56 @@ def colour_tree_with_a_broken_link(t: Ctx) -> Path:
     root = colour_tree(t)
     (root / "test" / "red" / "zzz.png").symlink_to("gone.png")
     return root
+
+
+FULL = "full"   # a full_disk case's full disk, a folder of the case's: a tmpfs with one free page (4 KiB)
+
+
+def full_disk_cases_can_run() -> bool:
+    """A user and mount namespace of its own (unshare -rm, no privilege needed where the kernel allows it): where a
+    tmpfs can be mounted that no other process sees, a disk that fills as a real one does."""
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def on_a_tmpfs(mount: Path, size: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """``argv`` run in a private user and mount namespace where ``mount`` is a fresh tmpfs of ``size`` bytes: the
+    kernel says ENOSPC when it fills, as on a full disk; only that process sees it, and it is gone when it ends."""
+    return subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs "$1" && shift && exec "$@"',
+                           size, str(mount), *argv], capture_output=True, text=True, **kw)
+
+
+IN_A_NAMESPACE = f"""
+import json, runpy, sys
+from pathlib import Path
+argv, cmd = json.loads(sys.argv[1]), sys.argv[2]
+try:
+    if cmd == "cowtune":
+        from trainables.cli import main
+        code = main(argv)
+    else:
+        sys.argv = [{str(SCRIPT)!r}, *argv]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+except SystemExit as exc:
+    code = exc.code
+print("LEFT ON THE FULL DISK " + json.dumps(sorted(str(p) for p in Path({FULL!r}).rglob("*"))))
+sys.exit(code)
+"""
+
+
+def invoke_on_a_full_disk(case: Case, argv: list[str], tmp: Path, capsys) -> int:
+    """The case's command in a process of its own where ./full is a full disk; its output as capsys would show it.
+    Fails the case if anything is left on the full disk."""
+    r = on_a_tmpfs(tmp / FULL, "4k", [sys.executable, "-c", IN_A_NAMESPACE, json.dumps(argv), case.cmd],
+                   cwd=tmp, timeout=120)
+    out, left = r.stdout.rsplit("LEFT ON THE FULL DISK ", 1) if "LEFT ON THE FULL DISK " in r.stdout else (r.stdout, "[]")
+    assert json.loads(left) == [], left   # not even the write probe's file
+    sys.stdout.write(out)
+    sys.stderr.write(r.stderr)
+    return r.returncode
 
 
 ONE_LINE_RANGE = "must satisfy 0.001 <= low <= high"
@@ -497,6 +550,29 @@ CASES = [
     Case("masks-out-under-a-file", "cowtune",
          lambda t: ["masks", "--out", str(t.write("notes", "x") / "g.png"), "--npy", "m.npy"],
          ("--out", "notes/g.png lies under the file", "give a path in a folder")),
+    # every output on a full disk: refused before any work (a 64 KiB write probe; an empty file fits on a full disk)
+    Case("train-out-on-a-full-disk", "cowtune", digits(out=f"{FULL}/run"),
+         (f"--out {FULL}/run cannot be made (No space left on device)",), full_disk=True),
+    Case("train-out-the-full-disk-itself", "cowtune", digits(out=FULL),
+         (f"--out {FULL} cannot be written (No space left on device)",), full_disk=True),
+    Case("search-storage-on-a-full-disk", "search", search(storage=f"{FULL}/ray"),
+         (f"--storage {FULL}/ray cannot be made (No space left on device)",), full_disk=True),
+    Case("final-out-on-a-full-disk", "cowtune",
+         lambda t: ["final", "--config", promoted(t), "--datasets", "cifar10=data", "--out", f"{FULL}/fin"],
+         (f"--out {FULL}/fin cannot be made (No space left on device)",), full_disk=True),
+    Case("final-storage-on-a-full-disk", "cowtune",
+         lambda t: ["final", "--config", promoted(t), "--datasets", "cifar10=data", "--storage", f"{FULL}/ray"],
+         (f"--storage {FULL}/ray cannot be made (No space left on device)",), full_disk=True),
+    Case("promote-out-on-a-full-disk", "cowtune", lambda t: ["promote", "--search", "e2e", "--out", f"{FULL}/p.yaml"],
+         (f"--out {FULL}/p.yaml: its folder cannot be written (No space left on device)",), full_disk=True),
+    Case("masks-out-on-a-full-disk", "cowtune", lambda t: ["masks", "--out", f"{FULL}/g.png"],
+         (f"--out {FULL}/g.png: its folder cannot be written (No space left on device)",), full_disk=True),
+    Case("evaluate-json-on-a-full-disk", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--json", f"{FULL}/r.json"],
+         (f"--json {FULL}/r.json: its folder cannot be written (No space left on device)",), full_disk=True),
+    Case("evaluate-json-is-a-folder", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--json", str(t.tmp)],
+         ("--json", "is a folder: give a file name")),
 ]
 
 
@@ -552,12 +628,16 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(case, tmp_path, monkey
     for name in ("MLFLOW_TRACKING_URI", "COWTUNE_STORAGE", "RAY_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
     ctx = Ctx(tmp_path, monkeypatch, request.addfinalizer)
+    if case.full_disk:
+        if not full_disk_cases_can_run():
+            pytest.skip("no user and mount namespace here (unshare -rm) to mount a full tmpfs in")
+        (tmp_path / FULL).mkdir()
     argv = case.build(ctx)
     before = files_under(tmp_path)
     capsys.readouterr()
 
     t0 = time.monotonic()
-    code = invoke(case, argv, monkeypatch)
+    code = invoke_on_a_full_disk(case, argv, tmp_path, capsys) if case.full_disk else invoke(case, argv, monkeypatch)
     elapsed = time.monotonic() - t0
     out, err = capsys.readouterr()
 
@@ -609,50 +689,65 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
     assert np.array_equal(np.asarray(files.load(0)), raw.train_images[0])
 
 
-FULL_DISK_AT = 2   # the second checkpoint meets a full disk
+FILLS_UP = """
+import contextlib, io, json, os, shutil, subprocess, sys
+from pathlib import Path
+import torch
+from trainables.cli import main
+argv, run, PAGE = json.loads(sys.argv[1]), Path("full/run"), 4096
+def used():
+    st = os.statvfs("full")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def remount(size):
+    subprocess.run(["mount", "-o", f"remount,size={size}", "full"], check=True)
+assert main(argv) == 0
+need = used() - 2 * PAGE   # the run's lock, config and checkpoint; not its metrics and result (a page each)
+shutil.rmtree(run)
+seen = []
+for extra in (-1, 0, 1):   # the checkpoint, then the metrics, then the result meet the full disk
+    remount(need + extra * PAGE)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    files = sorted(p.name for p in run.iterdir())
+    whole = {p.name: (torch.load(p, weights_only=True)["epoch"] if p.suffix == ".pt" else
+                      [json.loads(x) for x in p.read_text().splitlines()] if p.suffix == ".jsonl" else
+                      json.loads(p.read_text())) for p in run.iterdir() if p.suffix in (".pt", ".jsonl", ".json")}
+    remount("64m")
+    with contextlib.redirect_stdout(io.StringIO()):
+        resumed = main(argv)   # the same command, once there is space
+    seen.append({"code": code, "err": err.getvalue(), "files": files, "checkpoint": whole.get("checkpoint.pt"),
+                 "resumed": resumed, "after": sorted(p.name for p in run.iterdir()),
+                 "metrics_after": len((run / "metrics.jsonl").read_text().splitlines())})
+    shutil.rmtree(run)
+print(json.dumps(seen))
+"""
 
 
-def test_a_full_disk_is_named_with_the_out_folder_not_as_pytorchs_unexpected_pos(tmp_path, monkeypatch, capsys):
-    """`cowtune train` whose --out fills up while a checkpoint is written: the kernel's ENOSPC is the one line
-    (PyTorch's zip writer says "unexpected pos N vs M"), the temporary file is gone, the last checkpoint is intact
-    and the folder's lock is released. The disk fills as a kernel fills it: the file takes 4 KiB, then each write
-    fails with ENOSPC (tests/test_checkpoints.py has a kernel file-size limit, which raises EFBIG instead)."""
-    import errno
-    import io
-    import os
-
-    import torch
-
-    from trainables import checkpoints
-    from trainables.file_locks import job_lock
-    from trainables.trainer import RUN_LOCK
-
-    class FillingFile(io.FileIO):
-        room = 4096
-
-        def write(self, b):
-            if self.tell() + len(b) > self.room:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return super().write(b)
-
-    saves = []
-
-    def open_checkpoint(path, mode="r", *args, **kwargs):
-        saves.append(path)
-        return io.BufferedWriter(FillingFile(path, "wb")) if len(saves) == FULL_DISK_AT else open(path, mode)
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(checkpoints, "open", open_checkpoint, raising=False)
-    monkeypatch.setattr(trainables.trainer, "build_runner", BUILD_RUNNER)   # this one trains: 2 steps of cnn_tiny
-    code = main(digits("train.epochs=2", "train.steps_per_epoch=1")(None))
-    err = capsys.readouterr().err
-    assert code == 1 and err.splitlines() == [
-        "cowtune: error: no space left on device for --out run (writing the checkpoint run/checkpoint.pt); the last "
-        "checkpoint, run/checkpoint.pt, is intact: free space and run the same command to resume"], err
-    assert not list((tmp_path / "run").glob("*.tmp"))
-    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    with job_lock(tmp_path / "run" / RUN_LOCK, "train", "wait"):   # released: another run may take it
-        pass
+def test_a_disk_that_fills_mid_run_is_named_and_nothing_is_left_half_written(tmp_path):
+    """`cowtune train` whose --out disk fills up (a tmpfs in a namespace of the test's own: the kernel's ENOSPC, no
+    privilege needed) while the checkpoint, then the metrics, then the result are written, one page less room each
+    time: each says "no space left on device" and the file in one line (not PyTorch's "unexpected pos N vs M"), no
+    temporary file stays, every file there reads whole, and the same command then finishes the run."""
+    if not full_disk_cases_can_run():
+        pytest.skip("no user and mount namespace here (unshare -rm) to mount a tmpfs in")
+    (tmp_path / "full").mkdir()
+    argv = digits("train.epochs=1", "train.steps_per_epoch=1", out="full/run")(None)
+    r = on_a_tmpfs(tmp_path / "full", "64m", [sys.executable, "-c", FILLS_UP, json.dumps(argv)], cwd=tmp_path,
+                   timeout=300, env={**os.environ, "COWTUNE_CACHE": str(tmp_path / CACHE)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.splitlines()[-1])
+    kept = "the last checkpoint, full/run/checkpoint.pt, is intact"
+    expected = [("the checkpoint full/run/checkpoint.pt", "no checkpoint was written yet"),
+                ("full/run/metrics.jsonl", kept), ("full/run/result.json", kept)]
+    for s, (what, last) in zip(seen, expected):
+        assert s["code"] == 1 and s["err"].splitlines() == [
+            f"cowtune: error: no space left on device for --out full/run (writing {what}); {last}: free space and "
+            "run the same command to resume"], s
+        assert not [f for f in s["files"] if f.endswith(".tmp")], s
+        assert s["checkpoint"] == (None if "no checkpoint" in last else 1), s
+        assert s["resumed"] == 0 and {"checkpoint.pt", "metrics.jsonl", "result.json"} <= set(s["after"]), s
+        assert s["metrics_after"] == 1, s
 
 
 def test_the_default_out_folder_holds_a_hash_of_the_overrides():
@@ -677,7 +772,7 @@ def test_evaluate_says_when_it_scores_the_runs_own_training_images(tmp_path, mon
     notes = [line for line in capsys.readouterr().out.splitlines() if "training data" in line]
     assert notes == [f"note: {tree} is the run's own training data (its data.root), every class folder scored: it "
                      "trained on these images, so this is no test error"]
-    assert __import__("json").loads((tmp_path / "r.json").read_text())["training_images"] is True
+    assert json.loads((tmp_path / "r.json").read_text())["training_images"] is True
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ running code from the file, and recovered from the epoch before when it is damag
 
 ``save`` writes a temporary file, syncs it, keeps the checkpoint it replaces as ``<name>.prev`` (``keep_previous``)
 and renames the new one into place; a failed write (a full disk) removes the temporary file and leaves the last
-checkpoint as it was. ``load`` reads with ``torch.load(weights_only=True)``: tensors and plain data only, so a
+checkpoint as it was, and says the kernel's reason (``write_failure``); ``write_text`` writes a run's small files
+(its metrics, config, result) the same way. ``load`` reads with ``torch.load(weights_only=True)``: tensors and plain data only, so a
 checkpoint holding any other object (tampered with, or not written by cowtune) is refused, never executed. A
 checkpoint that cannot be read as a file (truncated, say) is set aside and the previous one is read instead.
 """
@@ -35,12 +36,37 @@ def save(obj: Any, path: Path, keep_previous: bool = True) -> None:
     except (OSError, RuntimeError) as exc:   # torch's zip writer reports a short write as a RuntimeError
         tmp.unlink(missing_ok=True)
         last = f"the last one, {path}, is intact" if path.exists() else "no earlier checkpoint exists"
-        why = getattr(exc, "strerror", None) or str(exc).splitlines()[0][:200]
+        why = write_failure(exc)
         raise CheckpointWriteError(f"could not write the checkpoint {path} ({why}); {last}: "
                                    "free the space (or fix the folder) and run the same command to resume") from None
     if keep_previous and path.exists():
         os.replace(path, previous(path))
     os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a synced temporary file renamed into place): a full disk leaves the
+    file as it was, never cut short. Raises the OSError (ENOSPC...) naming ``path``, the temporary file removed."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:   # raised by the flush or the close without a file name: said with the file's
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    os.replace(tmp, path)
+
+
+def write_failure(exc: BaseException) -> str:
+    """Why a write failed: the kernel's reason ("No space left on device") where an OSError is behind ``exc``
+    (PyTorch's zip writer reports a full disk as "unexpected pos N vs M", the OSError only its context), else the
+    first line of ``exc``."""
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OSError) and cause.strerror):
+        cause = cause.__cause__ or cause.__context__
+    return cause.strerror if cause is not None else str(exc).splitlines()[0][:200]
 
 
 def _read(path: Path) -> Any:

@@ -70,13 +70,19 @@ def _no_space(exc: BaseException, out: Path) -> CheckpointWriteError | None:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from trainables import checkpoints
     from trainables.evaluate import evaluate_checkpoint
 
     if args.json and not Path(args.json).expanduser().parent.is_dir():   # before the compute, not after it
         raise ConfigError(f"--json must be a file in an existing folder, got {args.json!r}")
+    json_out = writable_file(args.json, "--json") if args.json else None   # a folder, a full disk: named now
     result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.device, args.train_data)
-    if args.json:
-        Path(args.json).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+    if json_out is not None:
+        try:
+            checkpoints.write_text(json_out, json.dumps(result, indent=2) + "\n")
+        except OSError as exc:   # the disk filled while scoring: the scores are above, the file is not half-written
+            raise ConfigError(f"--json {args.json} could not be written ({exc.strerror}); the scores are printed "
+                              "above") from None
         print(f"wrote {args.json}")
     return 0
 

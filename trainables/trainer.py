@@ -303,7 +303,8 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
         optimizer.load_state_dict(upgrade_optimizer_state(resume["optimizer"], resume["student"], student))
         history, start_epoch = resume["history"], resume["epoch"]
         log(f"resumed from {ckpt_path} at epoch {start_epoch}")
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        _write_metrics(out, history)   # the checkpoint's: the disk may have filled before its epoch's line was written
+    checkpoints.write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
         f"{'' if cfg.train.fast else ', the plain step (train.fast false)'}"
@@ -340,8 +341,7 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
                     "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None},
         }, ckpt_path, keep_previous)
         metrics[M.CHECKPOINT_S] = time.monotonic() - t_saved   # known once it is written: reported, not in its own checkpoint
-        with open(out / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps(h) + "\n" for h in history)
+        _write_metrics(out, history)
         epoch_times.append(time.monotonic() - t0)
         recent = epoch_times[1:] or epoch_times  # the first epoch here pays for compilation
         per_epoch = sum(recent) / len(recent)
@@ -353,5 +353,9 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
     result = {"method": cfg.method, "model": cfg.model, "dataset": cfg.data.dataset, "seed": cfg.seed,
               "n_labeled": data.sizes.get("labeled"), "split_hashes": data.split_hashes, "final": final,
               "best": best_epoch(history, M.eval_key(split, "error", "teacher"))}
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    checkpoints.write_text(out / "result.json", json.dumps(result, indent=2))
     return result
+
+
+def _write_metrics(out: Path, history: list[dict[str, float]]) -> None:
+    checkpoints.write_text(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))

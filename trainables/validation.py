@@ -174,6 +174,7 @@ def writable_folder(path: str | os.PathLike, field: str, create: bool = True) ->
         made = p.absolute().relative_to(nearest).parts   # made and removed again: access() is not the whole answer
         try:                                              # (a read-only mount, /proc; for root, any folder)
             p.mkdir(parents=True)
+            _probe(p)
         except OSError as exc:
             raise ConfigError(f"{field} {path} cannot be made ({exc.strerror or exc})") from None
         finally:
@@ -183,11 +184,21 @@ def writable_folder(path: str | os.PathLike, field: str, create: bool = True) ->
         return p
     try:
         p.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".cowtune-write-check-"):
-            pass
+        _probe(p)
     except OSError as exc:
         raise ConfigError(f"{field} {path} cannot be written ({exc.strerror or exc})") from None
     return p
+
+
+PROBE_BYTES = 64 * 1024   # written and synced: an empty file alone fits on a full disk (it takes no data block)
+
+
+def _probe(folder: Path) -> None:
+    """Write PROBE_BYTES into ``folder`` and remove them; raises the OSError (ENOSPC on a full disk, EROFS...)."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".cowtune-write-check-") as f:
+        f.write(b"\0" * PROBE_BYTES)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def writable_file(path: str | os.PathLike, field: str) -> Path:

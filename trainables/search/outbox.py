@@ -22,6 +22,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from requests.exceptions import RequestException
 
+from trainables.checkpoints import write_text
+
 OUTBOX = "mlflow_outbox.jsonl"
 FILES = "mlflow_outbox_files"
 RETRY_S = 15.0
@@ -106,9 +108,7 @@ class Outbox:
         return str((store / path.name).relative_to(self.folder))
 
     def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.pending))
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.pending))   # a full disk: named, kept whole
         if not self.pending:
             self.path.unlink(missing_ok=True)
 
@@ -137,7 +137,7 @@ def keep(folder: Path, into: Path, header: dict[str, Any]) -> Path:
     for name in (OUTBOX, FILES):
         if (folder / name).exists():
             shutil.move(str(folder / name), str(into / name))
-    (into / "run.json").write_text(json.dumps(header, indent=1))
+    write_text(into / "run.json", json.dumps(header, indent=1))
     return into
 
 
