@@ -13,7 +13,8 @@ from trainables.validation import ConfigError
 PROMOTED = {"seed": 0, "model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 50},
             "mix": {"name": "cowmix", "sigma_range": [4.0, 16.0], "prop_range": [0.2, 0.8]},
             "train": {"batch_size": 4, "epochs": 1, "steps_per_epoch": 2, "eval_batch_size": 25}}
-SMALL = ["data.image_size=32", "data.colour_jitter=false", "data.workers=0", "train.threads=1"]
+SMALL = ["data.image_size=32", "data.colour_jitter=false", "data.workers=0", "train.threads=1",   # the preset's
+         "train.batch_size=4", "train.epochs=1", "train.steps_per_epoch=2", "train.eval_batch_size=25"]   # sizes: 1024 ...
 
 
 def test_imagenet_runs_use_resnet152_ten_percent_labels_and_scaled_sigma(digits_tree):

@@ -11,6 +11,7 @@ from trainables.config import TrainConfig
 from trainables.validation import ConfigError, set_dotted, unknown_name
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+IMAGENET_PRESET = "imagenet_cowmix"   # what `cowtune final --datasets imagenet=DIR` starts from
 _RANGE = re.compile(r"^\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*:\s*(-?[0-9.]+(?:e-?[0-9]+)?)\s*$")
 
 

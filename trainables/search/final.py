@@ -4,8 +4,12 @@ One Ray Tune experiment (a grid of full configs, no search) under one MLflow par
 trains on all training images (``n_val=0``) with labeled subset ``seed`` and reports the teacher's
 test error. The paper-style table (mean +- std over seeds per dataset and label count, next to a
 supervised-only run of the same seeds and the paper's numbers) is printed and saved.
-ImageNet: ResNet-152, 10% labels, CowMask sigma scaled with the image size as in the paper
-((4, 16) at 32 px <-> (32, 128) at 224 px).
+ImageNet (``--datasets imagenet=DIR``, any ImageFolder tree of its layout): the ``imagenet_cowmix`` preset (the
+paper's ImageNet setup: ResNet-152, batch 1024, its LR, L2, schedule, epochs, teacher, omega and threshold) with
+only what transfers carried over from the promoted small-image config (``transfer``): its regularizers, their
+p ranges and the mix path's confidence rule; sigma scaled with the image side as in the paper ((4, 16) at 32 px
+<-> (32, 128) at 224 px); 10% of the tree's training images labeled (floor, stratified per class as the
+reference's subsets). ``provenance`` says where each field came from; the table carries it.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any
 from trainables.config import DataConfig, TrainConfig
 from trainables.data import check_source
 from trainables.data.sources import has_test_split
-from trainables.presets import apply_overrides
+from trainables.presets import IMAGENET_PRESET, apply_overrides, read_config_file
 from trainables.trainer import check_names
 from trainables.validation import ConfigError, check, flatten
 
@@ -40,12 +44,80 @@ PAPER: dict[str, dict[int, dict[str, tuple[float, float | None]]]] = {
     "imagenet": {-10: {"supervised": (42.91, None), "cowmix": (26.06, 0.17)}},
 }
 IMAGENET_LABELS = -10          # marker: 10% of the training images
-IMAGENET = {"model": "resnet152", "data": {"dataset": "imagefolder", "image_size": 224, "colour_jitter": True}}
+SOURCE_SIZE = 32               # the side of the images a promoted config was searched on, unless its data.image_size
+# The mix path's fields the paper re-set for ImageNet (omega 30 -> 100, threshold 0.6 -> 0.5): the preset's
+PRESET_MIX_FIELDS = ("weight", "conf_thresh")
+FINAL_FIELDS = ("seed", "data.root", "data.n_val", "data.eval_split", "data.labeled_seed", "data.n_labeled")
+
+
+def sigma_scale(source_size: int, target_size: int) -> float:
+    """The paper's (4, 16) at 32 px is its (32, 128) at 224 px: 8x from 32 to 224 px, linear in each side."""
+    return 8.0 * (target_size / 224.0) * (SOURCE_SIZE / source_size)
 
 
 def imagenet_sigma_scale(image_size: int) -> float:
-    """The paper's (4, 16) at 32 px becomes (32, 128) at 224 px: 8x at 224, linear in the side."""
-    return 8.0 * image_size / 224.0
+    """From the 32 px images of a small-image search to ``image_size``: 8x at 224 px."""
+    return sigma_scale(SOURCE_SIZE, image_size)
+
+
+def ten_percent(n_train: int) -> int:
+    """The reference's 10% subset size: floor (1,281,167 ImageNet images -> its 128,116)."""
+    return max(1, n_train // 10)
+
+
+def transfer(preset: dict[str, Any], promoted: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The large-image config of a promoted small-image one (both full ``TrainConfig.to_dict()`` dicts).
+
+    What the paper kept at both scales comes from ``promoted``: which regularizers (the method), and each path's
+    fields (the p ranges, the blended confidence, the fraction-passing weight, mix_logits; the erasure path whole,
+    having no ImageNet values in the paper). sigma (in pixels) is scaled with the image side (``sigma_scale``).
+    What the paper re-set for ImageNet comes from ``preset``: the mix path's omega and threshold, and every other
+    section (model, data, optim, teacher, train). Returns (config, {dotted field: 'promoted' | 'scaled xF'});
+    a field not named there is the preset's.
+    """
+    out, sources = copy.deepcopy(preset), {}
+    source = promoted["data"].get("image_size") or SOURCE_SIZE
+    factor = sigma_scale(source, out["data"].get("image_size") or 224)
+    for key in ("perturb", "mix"):
+        path = copy.deepcopy(promoted.get(key))
+        sources.update({f"{key}.{k}": "promoted" for k in path} if path else {key: "promoted"})   # None: off
+        if path and key == "mix" and preset.get("mix"):
+            path.update({k: preset["mix"][k] for k in PRESET_MIX_FIELDS})
+            sources.update({f"mix.{k}": "preset" for k in PRESET_MIX_FIELDS})
+        if path and "sigma_range" in path:
+            path["sigma_range"] = [s * factor for s in path["sigma_range"]]
+            sources[f"{key}.sigma_range"] = (f"scaled x{factor:g} from the promoted {promoted[key]['sigma_range']} "
+                                             f"({source} -> {out['data'].get('image_size')} px)")
+        out[key] = path
+    return out, sources
+
+
+def imagenet_base(promoted: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``transfer`` onto the preset as ``--set`` leaves it (a data.image_size there scales sigma too); the
+    overrides then again, over what was carried."""
+    preset = TrainConfig.from_dict(apply_overrides(read_config_file(IMAGENET_PRESET), overrides)).to_dict()
+    config, sources = transfer(preset, promoted)
+    sources.update({item.split("=", 1)[0].strip(): "--set" for item in overrides})
+    return apply_overrides(config, overrides), sources
+
+
+def provenance(promoted: dict[str, Any], overrides: list[str]) -> str:
+    """A markdown table: each ImageNet field the preset states, the promoted config carries or --set gives, its
+    value and where it came from; every other field is its default."""
+    promoted = TrainConfig.from_dict(promoted).to_dict()
+    config, sources = imagenet_base(promoted, overrides)
+    stated = set(flatten(read_config_file(IMAGENET_PRESET))) | set(sources)
+    values, before = flatten(config), flatten(promoted)
+    lines = [f"ImageNet runs: the {IMAGENET_PRESET} preset, with what transfers from the promoted config:", "",
+             "| field | value | from |", "|---|---|---|"]
+    for key in sorted(k for k in stated if k not in FINAL_FIELDS and (k in values or k.split(".")[0] in values)):
+        value = values.get(key, values.get(key.split(".")[0]))   # a path that is off: null
+        source = sources.get(key, "preset")
+        if source == "preset" and key in before and before[key] != value:   # what the promoted config had instead
+            source += f" (promoted: {json.dumps(before[key])}, not carried)"
+        lines.append(f"| {key} | {json.dumps(value)} | {source} |")
+    lines.append("| data.n_labeled | 10% of the tree's training images (floor), stratified per class | final |")
+    return "\n".join(lines) + "\n\nEvery other field: its default (the promoted config's are not carried).\n"
 
 
 def _count_train_images(data: dict[str, Any], check_data: bool) -> int:
@@ -68,24 +140,19 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
         if counts is None:
             raise ConfigError(f"--labels is required for dataset '{name}' (no paper label counts). Known: {', '.join(PAPER)}")
         n_train = None   # ImageNet's 10% labels: its training images, counted once
+        base = imagenet_base(promoted, overrides)[0] if name == "imagenet" else promoted
         first = len(out)
         for n in counts:
             for method in ("promoted", "supervised") if supervised else ("promoted",):
                 for seed in range(seeds):
-                    d = copy.deepcopy(promoted)
-                    if name == "imagenet":
-                        d = {**d, "model": IMAGENET["model"], "data": {**d["data"], **IMAGENET["data"]}}
-                        for key in ("mix", "perturb"):
-                            if d.get(key) and "sigma_range" in d[key]:
-                                f = imagenet_sigma_scale(d["data"]["image_size"])
-                                d[key]["sigma_range"] = [s * f for s in d[key]["sigma_range"]]
+                    d = copy.deepcopy(base)
                     d["seed"] = seed
                     d["data"].update(root=root, n_val=0, eval_split="test", labeled_seed=seed, n_labeled=n)
                     if name != "imagenet":
                         d["data"]["dataset"] = name
                     elif n == IMAGENET_LABELS:
                         n_train = n_train or _count_train_images(d["data"], check_data)
-                        d["data"]["n_labeled"] = max(1, round(0.1 * n_train))
+                        d["data"]["n_labeled"] = ten_percent(n_train)
                     if method == "supervised":
                         d["mix"] = d["perturb"] = None
                     d = apply_overrides(d, overrides)
@@ -107,8 +174,10 @@ def final_settings(promoted: dict[str, Any], datasets: dict[str, str], labels: l
     """What a final job computes, field by field: recorded with its MLflow parent run, compared when the same
     name runs again (``trainables.search.experiments.check_resumable``)."""
     config = TrainConfig.from_dict(promoted).to_dict()
+    preset = {"final.imagenet_preset": read_config_file(IMAGENET_PRESET)} if "imagenet" in datasets else {}
     return {**{f"config.{k}": v for k, v in flatten(config).items()}, "final.datasets": datasets,
-            "final.labels": labels, "final.seeds": seeds, "final.supervised": supervised, "final.set": list(overrides)}
+            "final.labels": labels, "final.seeds": seeds, "final.supervised": supervised, "final.set": list(overrides),
+            **preset}
 
 
 def error_metric(config: dict[str, Any]) -> str:
@@ -144,8 +213,10 @@ def summarize(records: list[dict[str, Any]], method: str) -> tuple[list[dict[str
     return rows, "\n".join(lines) + f"\n\n{what} % (teacher), mean ± std over labeled subsets (seeds).\n"
 
 
-def save_table(out_dir: Path, records: list[dict[str, Any]], method: str) -> tuple[Path, str]:
+def save_table(out_dir: Path, records: list[dict[str, Any]], method: str, notes: str = "") -> tuple[Path, str]:
+    """final_table.md (the table, then ``notes``: e.g. ``provenance``) and final_results.json."""
     rows, table = summarize(records, method)
+    table += f"\n{notes}" if notes else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "final_table.md").write_text(table)
     (out_dir / "final_results.json").write_text(json.dumps({"runs": records, "rows": rows}, indent=2))

@@ -14,7 +14,7 @@ from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
 from trainables.search import tracking
 from trainables.search.experiments import FinishChildRuns, open_experiment
-from trainables.search.final import error_metric, final_configs, final_settings, save_table
+from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 from trainables.validation import ConfigError, check
@@ -30,6 +30,7 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
         raise ConfigError(f"--config {config_path} is not valid YAML: {yaml_problem(exc)}") from None
     method = TrainConfig.from_dict(promoted).method
     runs = final_configs(promoted, datasets, labels, seeds, supervised, overrides, check_data)   # fails before Ray
+    notes = provenance(promoted, overrides) if "imagenet" in datasets else ""   # where each ImageNet field came from
     if ddp_workers:   # the batch split too (ImageNet's default, every GPU, once Ray has counted them)
         check(ddp_workers >= 1, "--ddp-workers", "be >= 1", ddp_workers)
         for r in runs:
@@ -57,7 +58,8 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
 
     trainable = tune.with_resources(train_trial, resources)
     print(f"final {name}: {len(runs)} runs ({method}{' + supervised' if supervised else ''} x {seeds} seeds); "
-          f"MLflow {uri} (parent run {parent_id})" + (" [resuming]" if restoring else ""), flush=True)
+          f"MLflow {uri} (parent run {parent_id})" + (" [resuming]" if restoring else "") + (f"\n{notes}" if notes else ""),
+          flush=True)
     if restoring:
         tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True)
     else:
@@ -85,7 +87,7 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
         records.append(run | {"error": err, "split": spec["config"]["data"]["eval_split"]})
     table = ""
     if records:
-        path, table = save_table(Path(out_dir), records, method)
+        path, table = save_table(Path(out_dir), records, method, notes)
         for artifact in (path, path.with_name("final_results.json")):
             tracking.log_run_artifact(uri, parent_id, artifact)
         print(table + f"\nsaved {path}", flush=True)
