@@ -670,8 +670,9 @@ def test_the_table_covers_every_command_and_kind_of_input():
 # ------------------------------------------------------------------------------------------------ beyond the table
 
 def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
-    """A 16-bit greyscale PNG (PIL's mode I;16) is read as v / 257 by both pipelines: PIL's convert("RGB") clips
-    it, which made 99.5% of such an image's pixels 255."""
+    """A 16-bit greyscale PNG (PIL's mode I;16) is read as v / 257 by both pipelines, and by the decoder they and
+    `cowtune evaluate` share (``image_decode.decode_range``, also in its worker processes, from a folder or a zip):
+    PIL's convert("RGB") clips it, which made 99.5% of such an image's pixels 255."""
     import numpy as np
     from PIL import Image
 
@@ -687,6 +688,15 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
     assert all(np.array_equal(raw.train_images[0][..., c], ramp) for c in range(3))
     files = D.load_raw(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), pipeline="loader")).train_images
     assert np.array_equal(np.asarray(files.load(0)), raw.train_images[0])
+
+    from trainables.image_decode import decode_images, decode_range
+    names = [p.relative_to(tmp_path / "tree").as_posix() for p in sorted((tmp_path / "tree").rglob("*.png"))]
+    assert names[0] == "class0/000.png"
+    for root in (tmp_path / "tree", _zip_tree(tmp_path / "tree", tmp_path / "tree.zip")):
+        one, bad = decode_range(str(root), names[:1], (16, 16))
+        many, bad_many = decode_images(str(root), names, (16, 16), workers=2)   # two worker processes
+        assert bad is None and bad_many is None
+        assert all(np.array_equal(a[0][..., c], ramp) for a in (one, many) for c in range(3))
 
 
 FILLS_UP = """

@@ -44,9 +44,21 @@ def open_image(root: str, name: str, zf: zipfile.ZipFile | None) -> Image.Image:
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")   # PIL's 16-bit greyscale (PNG, TIFF)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit RGB. 16-bit greyscale is scaled (v / 257, rounded): PIL's own ``convert("RGB")`` clips it
+    to 0..255, which turned a 16-bit PNG 99.5% white. PIL reads 16-bit PGM as mode I with the 16-bit range."""
+    if img.mode in SIXTEEN_BIT_MODES or (img.mode == "I" and img.format == "PPM"):
+        wide = np.asarray(img).astype(np.uint32)
+        return Image.fromarray(((wide + 128) // 257).astype(np.uint8)).convert("RGB")
+    return img.convert("RGB")
+
+
 def decode_range(root: str, names: Sequence[str], size: tuple[int, int]
                  ) -> tuple[np.ndarray, tuple[int, tuple[int, int] | str] | None]:
-    """Decode ``names`` (paths in the folder or members of the zip ``root``) to RGB uint8 (N, H, W, 3).
+    """Decode ``names`` (paths in the folder or members of the zip ``root``) to RGB uint8 (N, H, W, 3) (``to_rgb``).
     Returns (array, None), or (partial array, (position, (width, height))) at the first image whose
     size is not ``size`` (width, height), or (partial array, (position, reason)) at the first that cannot be
     decoded (a truncated or corrupt file)."""
@@ -55,7 +67,7 @@ def decode_range(root: str, names: Sequence[str], size: tuple[int, int]
         out = np.empty((len(names), size[1], size[0], 3), dtype=np.uint8)
         for i, name in enumerate(names):
             try:
-                img = open_image(root, name, zf).convert("RGB")
+                img = to_rgb(open_image(root, name, zf))   # 16-bit greyscale scaled to 8 bits, not clipped
             except UNREADABLE as exc:
                 return out[:i], (i, f"{type(exc).__name__}: {str(exc)[:200]}")
             if img.size != size:
