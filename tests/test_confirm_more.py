@@ -3,7 +3,7 @@ server`, digits, the tiny model): only the missing (config, seed) runs train, th
 seed, and `cowtune promote` reads the new verdict.
 
 The search has two trials: the "paper's" point (a weak learning rate) and a learning rate that learns. The stage
-confirms the one finalist on seeds 1-3; two more seeds then go to it and to the paper's config.
+confirms the one finalist on seeds 1-3; `cowtune confirm --seeds 5` then brings it and the paper's config to 5.
 """
 import json
 import sys
@@ -48,7 +48,7 @@ def extended(search_env, tmp_path_factory):
                  *[a for kv in SETS for a in ("--set", kv)]], search_env, tmp)
     client = MlflowClient(search_env["MLFLOW_TRACKING_URI"])
     before = _parent_and_record(client, tmp / "before")
-    out = run_checked([*MORE, "--search", "more", "--add-seeds", "2", "--concurrency", "1",
+    out = run_checked([*MORE, "--search", "more", "--seeds", "5", "--concurrency", "1",
                        "--storage", str(tmp / "ray")], search_env, tmp)
     return tmp, client, before, _parent_and_record(client, tmp / "after"), out
 
@@ -85,11 +85,20 @@ def test_promote_registers_the_median_of_the_five_seeds(extended, search_env):
 
 def test_bad_requests_are_one_line(extended, search_env):
     tmp = extended[0]
-    for argv, said in ((["--search", "more", "--only", "nope"], "--only must name finalists of the stage"),
-                       (["--search", "nosuch"], "Unknown search 'nosuch'"),
-                       (["--search", "more", "--add-seeds", "0"], "--add-seeds must be >= 1")):
+    for argv, said in ((["--search", "more", "--seeds", "5", "--only", "nope"], "--only must name finalists of the stage"),
+                       (["--search", "nosuch", "--seeds", "5"], "Unknown search 'nosuch'"),
+                       (["--search", "more", "--seeds", "2"], "--seeds must be at least 3")):
         out = subprocess_run([*MORE, *argv], search_env, tmp)
         assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_same_command_again_trains_nothing_and_judges_the_same(extended, search_env):
+    tmp, client, _, (_, runs, after), _ = extended
+    out = run_checked([*MORE, "--search", "more", "--seeds", "5", "--storage", str(tmp / "ray")], search_env, tmp)
+    assert "every run of seeds 1-5 has finished; judging them again" in out.stdout
+    parent, runs_again, again = _parent_and_record(client, tmp / "again")
+    assert len(runs_again) == len(runs) == 10 and again["winner"] == after["winner"]
+    assert [r["objective"] for r in again["rows"]] == [r["objective"] for r in after["rows"]]
 
 
 def subprocess_run(cmd, env, cwd):

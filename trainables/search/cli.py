@@ -80,8 +80,8 @@ def _cmd_upload(args: argparse.Namespace) -> int:
 
 def confirm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search", required=True, help="the search's name (its MLflow experiment)")
-    p.add_argument("--add-seeds", type=int, default=3, metavar="N",
-                   help="fresh seeds to add, after the largest used (default 3)")
+    p.add_argument("--seeds", type=int, required=True, metavar="N",
+                   help="seeds per config in all (the stage's first seed and those after it), e.g. 8")
     p.add_argument("--only", help="comma-separated finalists to extend (default: the one with the lowest mean)")
     p.add_argument("--storage", help="where the new runs' Ray results go (default: $COWTUNE_STORAGE or ./ray_results)")
     p.add_argument("--cpus-per-trial", type=int, default=1)

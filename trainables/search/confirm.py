@@ -107,8 +107,8 @@ def run_confirm(plan: Any, space: dict[str, Any], settings: Any, args: Any, uri:
         labels = [c.label for c in racing]
         print(f"confirm: {len(labels)} configs (the paper's and {', '.join(labels[1:])}) x seeds "
               f"{', '.join(map(str, seeds))}, {plan.epochs} epochs each; objective {objective}", flush=True)
-        _train(plan, args, uri, experiment_id, parent_id, f"{round_path}-confirm-{key}-{k}", configs, labels, seeds,
-               racing, settings.metric, objective)
+        _train(plan, args, uri, experiment_id, parent_id, f"{round_path}-confirm-{key}-{k}", configs,
+               [(label, seed) for label in labels for seed in seeds], racing, settings.metric, objective)
         if k < confirm.halvings:
             kept = gate.halve(racing)
             for c in racing:
@@ -152,14 +152,14 @@ def asha_rungs(grace: int, reduction_factor: int, max_t: int) -> list[int]:
 
 
 def _train(plan: Any, args: Any, uri: str, experiment_id: str, parent_id: str, exp_path: str,
-           configs: dict[str, dict[str, Any]], labels: list[str], seeds: tuple[int, ...], candidates: list[Candidate],
+           configs: dict[str, dict[str, Any]], pairs: list[tuple[str, int]], candidates: list[Candidate],
            metric: str, objective: str) -> None:
     """One round: a grid of (label, seed) full configs; fills the candidates' objectives and curves."""
     import ray
 
     specs = [{"config": {**configs[label], "seed": seed}, "label": label, "seed": seed,
               "tags": {STAGE_TAG: "confirm", CANDIDATE_TAG: label, "cowtune.confirm_seed": str(seed)}}
-             for label in labels for seed in seeds]
+             for label, seed in pairs]
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0),
                                 args.gpu_share)
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "confirm",

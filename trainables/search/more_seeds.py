@@ -1,13 +1,13 @@
-"""``cowtune confirm``: more fresh seeds for a search's confirm stage, judged again over every seed so far.
+"""``cowtune confirm``: more fresh seeds for a search's confirm stage, judged again over every seed.
 
 Three seeds tell a large gain from seed noise, not a small one: on WRN-28-2 at 60 epochs a 1.4-point gain with a
 2.2-point spread of the paired differences passes the gate's paired test (alpha 0.1) one time in three with 3 seeds
-and four times in five with 12 (docs/search.md, "Noise"). This adds seeds to the stage's leading finalist (or the
-ones named) and to the paper's config, after the largest seed already used, reading everything from MLflow: each
-config from one of its confirm runs, each finished (config, seed) run's objective and curve. Only the missing runs
-train (a Ray Tune grid, restored like the stage's when the driver dies); the gate then judges the extended configs
-on all their seeds, and the parent run's ``confirm.json``, table and metrics are written again, so ``cowtune
-promote`` reads the new verdict. It needs the MLflow store only, not the search's Ray results, so a stage can grow
+and four times in five with 12 (docs/search.md, "Noise"). ``--seeds N`` brings the stage's leading finalist (or the
+ones named) and the paper's config to N seeds each (the stage's first seed and those after it), reading everything
+from MLflow: each config from one of its confirm runs, each finished (config, seed) run's objective and curve. Only
+the missing runs train (a Ray Tune grid, restored like the stage's when the driver dies; the same command again
+finishes what a crash left); the gate then judges the extended configs on all their seeds, and the parent run's
+``confirm.json``, table and metrics are written again, so ``cowtune promote`` reads the new verdict. It needs the MLflow store only, not the search's Ray results, so a stage can grow
 on another machine or another day.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from trainables.search.job_settings import check_tracking_server, lock_job
     from trainables.search.promote import confirmed, latest_parent
 
-    check(args.add_seeds >= 1, "--add-seeds", "be >= 1", args.add_seeds)
+    check(args.seeds >= 3, "--seeds", "be at least 3 (seeds per config in all)", args.seeds)
     check(args.gpu_share is None or 0 < args.gpu_share <= 1, "--gpu-share", "be in (0, 1]", args.gpu_share)
     cores = os.cpu_count() or 1
     check(args.cpus_per_trial >= 1 and (bool(os.environ.get("RAY_ADDRESS")) or args.cpus_per_trial <= cores),
@@ -57,27 +57,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     candidates = [_candidate(client, row, runs, objective, metric, window, epochs) for row in record["rows"]]
     racing = [next(c for c in candidates if c.label == REFERENCE), *_chosen(candidates, args.only)]
     configs = {c.label: _config(client, runs, c.label) for c in racing}
-    used = max(s for c in candidates for s in c.objective)
-    seeds = tuple(range(used + 1, used + 1 + args.add_seeds))
+    first = min(s for c in candidates for s in c.objective)
+    seeds = tuple(range(first, first + args.seeds))
+    missing = [(c.label, s) for c in racing for s in seeds if s not in c.objective]
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     lock_job(args.search, storage, "search")   # not while the search itself runs
-    init_ray()
-    key = hashlib.sha256(json.dumps([sorted(configs.items()), seeds], sort_keys=True, default=str).encode())
-    plan = SimpleNamespace(base=configs[REFERENCE], epochs=epochs, name=args.search)
-    print(f"confirm: adding seeds {', '.join(map(str, seeds))} to the paper's config and "
-          f"{', '.join(c.label for c in racing[1:])} ({epochs} epochs each; objective {objective})", flush=True)
     t0 = time.monotonic()
-    stage._train(plan, args, uri, experiment_id, parent.info.run_id,
-                 f"{Path(storage).resolve() if '://' not in storage else storage}/{args.search}-confirm-more-"
-                 f"{key.hexdigest()[:8]}", configs, [c.label for c in racing], seeds, racing, metric, objective)
+    if missing:
+        init_ray()
+        key = hashlib.sha256(json.dumps([sorted(configs.items()), seeds], sort_keys=True, default=str).encode())
+        plan = SimpleNamespace(base=configs[REFERENCE], epochs=epochs, name=args.search)
+        print(f"confirm: {len(missing)} runs to bring the paper's config and {', '.join(c.label for c in racing[1:])} "
+              f"to seeds {seeds[0]}-{seeds[-1]} ({epochs} epochs each; objective {objective})", flush=True)
+        root = str(Path(storage).resolve()) if "://" not in storage else storage
+        stage._train(plan, args, uri, experiment_id, parent.info.run_id,
+                     f"{root}/{args.search}-confirm-more-{key.hexdigest()[:8]}", configs, missing, racing, metric,
+                     objective)
+    else:
+        print(f"confirm: every run of seeds {seeds[0]}-{seeds[-1]} has finished; judging them again", flush=True)
     confirm = gate.Confirm(**_gate_settings(record))
-    winner = gate.judge(racing, confirm, seeds=max(len(c.objective) for c in racing))
+    winner = gate.judge(racing, confirm, seeds=len(seeds))
     if winner is None:
         raise SystemExit(f"confirm: error: the paper's config did not finish all its seeds "
                          f"({stage.reference_line(racing)}); run the command again to finish them")
     for c in candidates:
         if c not in racing:
-            c.verdict = f"not extended ({len(c.objective)} seeds); was: {c.verdict}"
+            c.verdict = f"not extended ({len(c.objective)} seeds); was: {c.verdict.split('was: ')[-1]}"
     noise = gate.noise_and_rank(candidates, record.get("rungs") or [epochs], window)
     extra = {k: v for k, v in record.items() if k not in ("objective", "winner", "rows")}
     extra.update(winner_config=configs.get(winner.label) or _config(client, runs, winner.label),
