@@ -23,3 +23,25 @@ def test_a_dataset_of_known_size_is_checked_against_the_labels_without_its_files
     with pytest.raises(ConfigError, match=r"data.n_val must be smaller than the training split \(1797 images\)"):
         check_splits(cfg("digits", n_val=5000, n_labeled=50))
     check_splits(cfg("imagefolder", n_val=5000), listed=False)   # --skip-data-check: only the workers hold it
+
+
+def test_every_child_run_logs_each_range_as_numeric_lo_and_hi_params(tmp_path):
+    """A trial's MLflow run (a real SQLite store) has mix.sigma_range and mix.prop_range as numbers, lo and hi, for
+    MLflow's compare and parallel-coordinates views, besides the list as text."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.search.trial_run import TrialRun
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment("ranges", artifact_location=(tmp_path / "a").as_uri())
+    parent = client.create_run(experiment_id).info.run_id
+    config = TrainConfig.from_dict({"mix": {"name": "cowmix", "sigma_range": [2.68, 21.59], "prop_range": [0.2, 0.8]},
+                                    "data": {"dataset": "digits"}}).to_dict()
+    (tmp_path / "trial").mkdir()
+    run = TrialRun(uri, experiment_id, parent, "t0001", "train_trial_t0001", tmp_path / "trial", config, {},
+                   log=lambda s: None)
+    params = client.get_run(run.run_id).data.params
+    assert {k: float(params[k]) for k in params if k.endswith((".lo", ".hi"))} == {
+        "mix.sigma_range.lo": 2.68, "mix.sigma_range.hi": 21.59, "mix.prop_range.lo": 0.2, "mix.prop_range.hi": 0.8}
+    assert params["mix.sigma_range"] == "[2.68, 21.59]"

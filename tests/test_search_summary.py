@@ -98,5 +98,26 @@ def test_a_study_with_no_finished_trial_records_counts_and_no_best(tmp_path):
 
 def test_the_search_points_at_its_experiment_in_the_model_training_view():
     assert summary.ui_link("http://127.0.0.1:5000/", "3") == \
-        "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
-    assert summary.ui_link("sqlite:////tmp/x/mlflow.db", "1") == "`mlflow ui --backend-store-uri sqlite:///mlflow.db`"
+        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
+    assert summary.ui_link("sqlite:////tmp/x/mlflow.db", "1") == ("`mlflow ui --backend-store-uri sqlite:///mlflow.db` "
+                                                                  "at http://127.0.0.1:5000/#/experiments/1/runs"
+                                                                  "?workflowType=machine_learning")
+
+
+@pytest.mark.slow
+def test_the_link_opens_the_runs_table_in_a_new_browser(mlflow_server, tmp_path):
+    """The search's last line's link, opened in a fresh headless Chromium (no stored view: the UI's default is its
+    GenAI view, which the experiment's plain URL opens), shows the experiment's runs table in the model-training
+    view, with the search's parent run in it."""
+    import ui_screens
+
+    ui_screens.skip_without_browser()
+    client = MlflowClient(mlflow_server)
+    experiment_id = client.create_experiment(f"ui-link-{tmp_path.name}")
+    client.create_run(experiment_id, run_name="the-parent-run")
+    with ui_screens.browser_page(mlflow_server) as page:
+        ui_screens.goto(page, summary.ui_link(mlflow_server, experiment_id), tmp_path, "ui-link")
+        ui_screens.wait_for_texts(page, ["Run Name", "the-parent-run", "Models"], tmp_path, "ui-link", 60,
+                                  "the runs table of the model-training view")
+        assert "workflowType=machine_learning" in page.url and f"/experiments/{experiment_id}/runs" in page.url
+        assert "Evaluation runs" not in page.evaluate("() => document.body.innerText")   # the GenAI side bar's

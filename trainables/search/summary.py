@@ -28,12 +28,18 @@ from trainables.validation import flatten
 PLOT_DIR = "optuna"
 
 
+UI = "http://127.0.0.1:5000"   # where `mlflow ui` serves an embedded store
+
+
 def ui_link(uri: str, experiment_id: str) -> str:
-    """Where to look at a search: the MLflow UI's page of its experiment in the model-training view (MLflow 3's UI
-    starts in its GenAI view otherwise), or how to open the UI of an embedded store."""
+    """Where to look at a search: the runs table of its experiment in the MLflow UI's model-training view, its tab
+    route named (MLflow 3.17's hash route ``#/experiments/<id>/runs``; ``workflowType`` in the URL wins over the view
+    the browser last used, and without it a new browser starts in the GenAI view), after `mlflow ui` for an
+    embedded store."""
+    page = f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     if tracking.is_embedded(uri):
-        return "`mlflow ui --backend-store-uri sqlite:///mlflow.db`"
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+        return f"`mlflow ui --backend-store-uri sqlite:///mlflow.db` at {UI}{page}"
+    return f"{uri.rstrip('/')}{page}"
 
 
 def searched_values(space: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
