@@ -227,6 +227,8 @@ def environment(device: str) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=ROOT).stdout.strip()
+    if commit.returncode != 0:   # a copy of the tree without its .git (a GPU machine's): $COWTUNE_COMMIT says which
+        commit.stdout, dirty = os.environ.get("COWTUNE_COMMIT", "unknown (no .git: set COWTUNE_COMMIT)"), ""
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return {"gpu": gpu, "gpus": torch.cuda.device_count(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "commit": commit.stdout.strip() + ("+dirty" if dirty else ""),
