@@ -59,6 +59,14 @@ def test_an_erasure_or_supervised_promoted_config_brings_its_own_paths():
     assert TrainConfig.from_dict(config).method == "supervised"
 
 
+def test_a_set_may_name_a_path_only_the_promoted_config_has(tmp_path):
+    tree = jpeg_tree(tmp_path / "imagenet", {f"n{c:08d}": 10 for c in range(4)}, val_per_class=1)
+    cowout = {"perturb": {"name": "cowout"}, "mix": None}
+    (run,) = final_configs(cowout, {"imagenet": str(tree)}, None, 1, False, ["perturb.weight=2"])
+    assert run["config"]["perturb"]["weight"] == 2 and run["config"]["mix"] is None
+    assert "| perturb.weight | 2 | --set |" in provenance(cowout, ["perturb.weight=2"])
+
+
 def test_final_uses_the_preset_and_says_where_each_field_came_from(tmp_path):
     tree = jpeg_tree(tmp_path / "imagenet", {f"n{c:08d}": 12 + c for c in range(4)}, val_per_class=2)   # 54 train
     runs = final_configs(PROMOTED, {"imagenet": str(tree)}, None, 2, True, ["train.epochs=2"])

@@ -93,9 +93,10 @@ def transfer(preset: dict[str, Any], promoted: dict[str, Any]) -> tuple[dict[str
 
 
 def imagenet_base(promoted: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """``transfer`` onto the preset as ``--set`` leaves it (a data.image_size there scales sigma too); the
-    overrides then again, over what was carried."""
-    preset = TrainConfig.from_dict(apply_overrides(read_config_file(IMAGENET_PRESET), overrides)).to_dict()
+    """``transfer`` onto the preset at the image size ``--set`` gives (sigma scales to it), then the overrides over
+    what was carried (they may name a path only the promoted config has, e.g. perturb.weight)."""
+    sized = [item for item in overrides if item.partition("=")[0].strip() == "data.image_size"]
+    preset = TrainConfig.from_dict(apply_overrides(read_config_file(IMAGENET_PRESET), sized)).to_dict()
     config, sources = transfer(preset, promoted)
     sources.update({item.split("=", 1)[0].strip(): "--set" for item in overrides})
     return apply_overrides(config, overrides), sources
