@@ -5,6 +5,8 @@ import logging
 import os
 import pickle
 import re
+import subprocess
+import sys
 import types
 
 import pytest
@@ -99,25 +101,27 @@ def test_table_counts_states_rows_and_best(cb, clock, capsys, tmp_path):
     assert len(heads) == 2                               # one table as each trial ended
     first, second = out[:heads[1]], out[heads[1]:]
     assert first[0] == "[0:01:15] demo: 5 trials: 2 running, 0 terminated, 1 pruned, 0 errored, 2 pending"
-    assert [line.split()[:2] for line in first[2:-1]] == [["aaaa0001", "running"], ["bbbb0002", "pruned"],
-                                                          ["cccc0003", "running"]]
-    assert first[3].split() == ["bbbb0002", "pruned", "1/4", "0.6000", "0.6000", "2.5..21.6", "7.04", "0.943"]
+    assert [line.split()[:2] for line in first[2:-1]] == [["aaaa0001", "running"], ["cccc0003", "running"],
+                                                          ["bbbb0002", "pruned"]]   # running, then ended
+    assert first[4].split() == ["bbbb0002", "pruned", "1/4", "0.6000", "0.6000", "2.5..21.6", "7.04", "0.943"]
     assert second[0] == "[0:01:15] demo: 5 trials: 1 running, 0 terminated, 1 pruned, 1 errored, 2 pending"
     assert second[1].split() == ["trial", "state", "epoch", "last", "best", "sigma_range", "weight", "alpha"]
     assert second[2].split() == ["aaaa0001", "running", "3/4", "0.4500", "0.4000", "4..16", "30", "0.97"]
-    assert second[3].split()[:5] == ["cccc0003", "errored", "1/4", "0.9000", "0.9000"]   # b: shown once, d: counted
-    assert second[4] == ("  cccc0003 errored after 1 epochs: trainables.validation.TrainingDiverged: the training "
+    assert second[3].split()[:5] == ["cccc0003", "errored", "1/4", "0.9000", "0.9000"]   # just ended, then the rest
+    assert second[4].split()[:2] == ["bbbb0002", "pruned"]   # finished before: kept (d: counted, pending)
+    assert second[5] == ("  cccc0003 errored after 1 epochs: trainables.validation.TrainingDiverged: the training "
                          "loss became nan in epoch 2 (traceback: /results/demo/train_trial_cccc0003/error.txt)")
     assert all(aligned(t[1], row) for t in (first, second) for row in t[2:-1] if "errored after" not in row)
     assert progress.error_line(types.SimpleNamespace(error_file=None)) == "no error file"
     # best so far by the last result (as the driver's "best trial"), not by the best epoch
-    assert second[5] == ("  best so far: aaaa0001 val/error_teacher 0.4500 at epoch 3 "
+    assert second[6] == ("  best so far: aaaa0001 val/error_teacher 0.4500 at epoch 3 "
                          "(sigma_range=4..16 weight=30 alpha=0.97)")
-    assert len(second) == 6 and not BOX & set("".join(out))
+    assert len(second) == 7 and not BOX & set("".join(out))
     assert all(len(line) < 130 for line in out if "traceback:" not in line)   # a note names its file
 
 
-def test_ended_trial_is_shown_once_with_its_state(cb, clock, capsys):
+def test_an_ended_trial_stays_in_the_table_with_its_state(cb, clock, capsys):
+    """Issue 54 item 11: finished trials are not dropped; they follow the running ones, best first."""
     a, b = FakeTrial("aaaa0001"), FakeTrial("bbbb0002")
     report(cb, [a, b], a, 4, 0.3)
     cb.on_trial_complete(0, [a, b], a)                   # full budget: terminated
@@ -129,7 +133,8 @@ def test_ended_trial_is_shown_once_with_its_state(cb, clock, capsys):
     clock.t += 31
     cb.on_step_end(0, [a, b])
     second = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in second[2:-1]] == ["bbbb0002"]
+    assert [line.split()[:3] for line in second[2:-1]] == [["bbbb0002", "running", "1/4"],
+                                                           ["aaaa0001", "terminated", "4/4"]]
     assert second[-1].startswith("  best so far: aaaa0001 val/error_teacher 0.3000 at epoch 4")
 
 
@@ -165,6 +170,54 @@ def test_restored_trials_come_from_tunes_record_and_the_summary(cb, capsys):
     assert capsys.readouterr().out.strip() == (
         "search demo stopped with 3 trials unfinished after 0:00:00: 1 terminated, 1 pruned by ASHA, 0 errored; "
         "best val/error_teacher 0.3500 (trial 0ld00001, epoch 2)")
+
+
+def test_tied_trials_rank_by_the_order_they_were_made_in_any_order_given(capsys):
+    """Two trials of the same last error: the one Tune's searcher made first is the best, in the table and its best
+    line, however Tune lists them (a restored search may list them in another order). Ray's own Trial objects."""
+    from ray.tune.experiment import Trial
+
+    def trials():
+        made = [Trial("train_trial", config={"mix": {"weight": w}}, trial_id=i, experiment_tag=f"{n}_w={w}", stub=True)
+                for n, i, w in ((1, "ffff0001", 30.0), (2, "0000aaaa", 7.0), (3, "bbbb0003", 9.0))]
+        for t, err in zip(made, (0.25, 0.25, 0.5)):
+            t.status = "TERMINATED"
+            t.update_last_result({ERR: err, M.EPOCH: 4})
+            t.run_metadata.metric_analysis = {ERR: {"last": err, "min": err, "max": err}}   # as Tune restores it
+        return made
+
+    for order in ((0, 1, 2), (2, 1, 0), (1, 2, 0)):
+        p = progress.SearchProgress("demo", ERR, "min", 4, ["mix.weight"])
+        listed = [trials()[i] for i in order]
+        assert progress.trial_number(p._best(listed)) == 1 and p._best(listed).trial_id == "ffff0001"
+        rows = [line.split()[0] for line in p.table(listed)[2:-1]]
+        assert rows == ["ffff0001", "0000aaaa", "bbbb0003"], order
+    assert progress.trial_number(FakeTrial("x")) == 1 << 30   # no tag: after every trial that has one
+
+
+@pytest.mark.slow
+def test_the_driver_breaks_ties_alike_on_a_first_run_and_a_restored_one(tmp_path):
+    """best_result on a real Ray Tune experiment of three trials, the first two tied: the first on the ResultGrid
+    of fit() and on that of Tuner.restore() (which lists the trials as it loads them)."""
+    script = f"""
+import ray
+from ray import tune
+from trainables.search.progress import best_result, trial_number
+ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=1)
+def trial(config):
+    tune.report({{"err": config["err"]}})
+tuner = tune.Tuner(trial, param_space={{"err": tune.grid_search([0.25, 0.25, 0.5])}},
+                   run_config=tune.RunConfig(name="ties", storage_path={str(tmp_path)!r}, verbose=0))
+first = tuner.fit()
+again = tune.Tuner.restore({str(tmp_path / "ties")!r}, trainable=trial).get_results()
+for grid in (first, again):
+    best = best_result(grid, "err", "min")
+    print("BEST", trial_number(best.metrics), best.metrics["err"])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_AIR_NEW_OUTPUT": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("BEST")] == ["BEST 0 0.25", "BEST 0 0.25"]   # grid search counts from 0
 
 
 def test_formatting_helpers():
@@ -263,3 +316,50 @@ def test_ray_output_flag_gives_rays_own_output_back(search_env, tmp_path):
     assert "Trial status:" in out.stdout and "Configuration for experiment" in out.stdout
     assert re.search(r"\] epoch 2/2 \|", out.stdout)                       # the trial's own epoch lines
     assert "prog-ray: 1 trials:" not in out.stdout and "done: 1 trials (0 failed)" in out.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it(tmp_path):
+    """SIGTERM to a search's driver (local Ray, as a user starts it): no "*** SIGTERM received" stack dump from Ray's
+    core (exit 134), but Tune's clean stop: the progress summary says it, one line says how to resume, exit status
+    143, the MLflow parent run KILLED; the same command then finishes both trials."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in without_engine_env(dict(os.environ)).items()
+           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "COWTUNE_STORAGE")}
+    env.update(PYTHONUNBUFFERED="1", COWTUNE_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test", "--trials", "2",
+           "--no-confirm", "--no-compile-ahead", "--name", "term", "--storage", str(tmp_path / "ray")]
+    driver = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in driver.stdout:   # the table's first line: the trials are being scheduled
+            lines.append(line)
+            if "a progress table every" in line:
+                break
+        time.sleep(3)
+        driver.send_signal(signal.SIGTERM)
+        out, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    out = "".join(lines) + out
+    assert driver.returncode == 143, err[-3000:]
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "term: stopped by SIGTERM; Ray saved its state: run the same command to resume"
+    assert "Experiment has been interrupted" not in err and "Stop signal received" not in err, err[-3000:]
+    assert re.search(r"^search term stopped by SIGTERM with 2 trials unfinished after \S+: 0 terminated, 0 pruned by "
+                     r"ASHA, 0 errored$", out, re.M), out
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("term").experiment_id])
+                 if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "KILLED"
+    again = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "done: 2 trials (0 failed)" in again.stdout, again.stderr[-3000:]
+    assert "2 terminated, 0 pruned by ASHA, 0 errored" in again.stdout

@@ -25,7 +25,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.search import compile_ahead
-from trainables.search import outbox, progress, studies, summary, tracking
+from trainables.search import interrupt, outbox, progress, studies, summary, tracking
 from trainables.search.confirm import run_confirm
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.gate import Confirm
@@ -111,11 +111,10 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
                                       callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs),
                                                  *progress.callbacks(args, settings, plan, space)]))
+    interrupt.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
     results = tuner.fit()
-    try:
-        best = results.get_best_result(metric=objective, mode=settings.mode, scope="last")
-    except RuntimeError:   # no trial reported the metric (every one failed): said below, not as a traceback
-        best = None
+    _stop_if_stopped(plan.name, uri, parent_id)
+    best = progress.best_result(results, objective, settings.mode)   # None: every trial failed, said below
     failed = sum(1 for r in results if r.error)
     studies.end_orphaned_trials(study := studies.load(study_db, plan.name))
     summary.record(uri, parent_id, study, space, plan, objective, round_.index)
@@ -124,6 +123,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
               f"at epoch {best.metrics.get(M.EPOCH)} (one seed)")
     if plan.confirm is not None and failed < len(results):   # before promotion: the finalists on fresh seeds
         run_confirm(plan, space, settings, args, uri, experiment_id, parent_id, exp_path)
+        _stop_if_stopped(plan.name, uri, parent_id)
     tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})
@@ -136,3 +136,12 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
           + summary.ui_link(uri, experiment_id)
           + f"; promote with `cowtune promote --search {plan.name}`", flush=True)
     return results
+
+
+def _stop_if_stopped(name: str, uri: str, parent_id: str) -> None:
+    """A search stopped by a signal (``interrupt``): its parent run KILLED, one line, exit status 143 or 130."""
+    if (by := interrupt.stopped_by()) is not None:
+        tracking.finish_run(uri, parent_id, "KILLED")
+        print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr,
+              flush=True)
+        raise SystemExit(143 if by == "SIGTERM" else 130)

@@ -7,7 +7,8 @@ legacy output engine (RAY_AIR_NEW_OUTPUT=0, put back when the search ends: at ``
 where the new engine still prints its "Configuration for experiment" box), and ``SearchProgress`` prints, at most
 every ``interval_s`` seconds when something changed and whenever a trial ends, a short fixed-width table: how
 many trials run, finished the full budget, were stopped early by ASHA (pruned), errored or wait; one row per
-running or just-ended trial (epoch reached, last and best objective, the searched hyperparameters); the best so
+trial (epoch reached, last and best objective, the searched hyperparameters): the running ones, those just ended,
+then the finished ones best first (ties: the trial made first, ``trial_number``), up to ``MAX_ROWS``; the best so
 far. One summary line at the end. ``--ray-output`` (``settings.parse_args``) gives Ray's own output back, as it
 was before, and no table.
 
@@ -32,6 +33,7 @@ it was started with.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -40,7 +42,7 @@ from typing import Any
 from ray import tune
 
 from trainables import metrics as M
-from trainables.search import intervals
+from trainables.search import interrupt, intervals
 from trainables.search.tune_trainable import META, REFUSED
 
 # The trainer's routine lines, as tune_trainable prints them: "[<trial name>] <line>".
@@ -48,9 +50,12 @@ TRAINER_LINES = r"^\[\w+_[0-9a-f]{5,8}(?:_\d{5})?\] (?:data: |model |  first ste
 RAY_TRAIN_LINES = r"^Checkpoint successfully created at: "
 MLFLOW_LINES = r"^(?:\U0001f3c3 View run \S+ at: |\U0001f9ea View experiment at: )"
 MLFLOW_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"   # the driver's own: read each time a run ends
-QUIET_LOGS = {"ray.tune.tune": "Wrote the latest version of all result files",
-              "ray.tune.execution.experiment_state": "Experiment state snapshotting has been triggered"}
-MAX_ROWS = 20   # running trials beyond this are counted, not listed
+QUIET_LOGS = {"ray.tune.tune": ("Wrote the latest version of all result files", "Stop signal received",
+                               "Experiment has been interrupted"),   # a stop: said by the summary and the driver
+              "ray.tune.execution.experiment_state": ("Experiment state snapshotting has been triggered",),
+              "ray.tune.analysis.experiment_analysis": ("Failed to fetch metrics for",)}   # trials a stop cut short
+MAX_ROWS = 20   # trials beyond this are counted, not listed: the running ones, then the just ended, then the best
+ENDED = ("terminated", "pruned", "errored")
 ENGINE_ENV = "RAY_AIR_NEW_OUTPUT"   # "0": Tune's legacy output engine; read when fit() starts, before any callback
 _ENGINE: dict[str, str | None] = {}   # {"before": the variable's value} while quiet_engine() has it changed
 
@@ -120,6 +125,24 @@ def lookup(config: dict[str, Any], path: str) -> Any:
     return config
 
 
+def trial_number(trial: Any) -> int:
+    """The order Tune's searcher made ``trial`` in (its ``experiment_tag`` "<n>_...", a trial object's or a result's),
+    which a restored search keeps: ties between trials go to the earlier one. Without one it sorts last."""
+    tag = trial.get("experiment_tag") if isinstance(trial, dict) else getattr(trial, "experiment_tag", "")
+    head = str(tag or "").split("_", 1)[0]
+    return int(head) if head.isdigit() else 1 << 30
+
+
+def best_result(results: Any, metric: str, mode: str) -> Any:
+    """``results.get_best_result(metric, mode, scope="last")`` (the best last result), of equals the trial made first
+    (``trial_number``; Tune puts the tag in each result): Ray takes the first of equals in its own order of trials,
+    which a restore can change. None when no trial reported ``metric``."""
+    scored = [r for r in results if r.metrics and isinstance(r.metrics.get(metric), (int, float))
+              and math.isfinite(r.metrics[metric])]   # as Ray's filter_nan_and_inf
+    sign = 1 if mode == "min" else -1
+    return min(scored, key=lambda r: (sign * r.metrics[metric], trial_number(r.metrics)), default=None)
+
+
 def error_line(trial: Any, limit: int = 160) -> str:
     """The last line of the trial's error file (Ray appends each failure's exception there), shortened."""
     try:
@@ -140,7 +163,7 @@ def error_path(trial: Any) -> str:
 
 
 class _Drop(logging.Filter):
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: tuple[str, ...]):
         super().__init__()
         self.prefix = prefix
 
@@ -254,7 +277,10 @@ class SearchProgress(tune.Callback):
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         print(self.summary(trials), flush=True)
-        unquiet(self._undo)
+        # Stopped by a signal: Tune's notes of it ("interrupted", trials without results) follow this hook, and the
+        # driver then says it in one line and exits; its log filters stay on till then
+        kept = [u for u in self._undo if u[0] == "log"] if interrupt.stopped_by() is not None else []
+        unquiet([u for u in self._undo if u not in kept])
         self._undo = []
         restore_engine()
 
@@ -285,19 +311,23 @@ class SearchProgress(tune.Callback):
             return "errored"
         if trial.trial_id in self._ended:
             return self._ended[trial.trial_id]
-        if status == "TERMINATED":
-            return "pruned" if self._epoch(trial) < self.full_epochs else "terminated"
+        if status == "TERMINATED":   # not ended through Tune's hooks: ASHA's stop, or a signal's (runs again)
+            if self._epoch(trial) >= self.full_epochs:
+                return "terminated"
+            return "pending" if interrupt.stopped_by() is not None else "pruned"
         return status.lower()
 
+    def _rank(self, trial: Any) -> tuple[float, int]:
+        """Best last result first; of equals, the trial made first (``trial_number``)."""
+        last = self._stats(trial).get("last")
+        value = float("inf") if last is None else (last if self.mode == "min" else -last)
+        return value, trial_number(trial)
+
     def _best(self, trials: list) -> Any:
-        """The trial with the best last result, the first of equals: what the driver's "best trial" line and
-        ``cowtune promote`` rank by (``get_best_result(scope="last")``)."""
-        best = None
-        for t in trials:
-            if self._stats(t).get("last") is not None and (
-                    best is None or self._better(self._stats(t)["last"], self._stats(best)["last"])):
-                best = t
-        return best
+        """The trial with the best last result, of equals the one made first: what the driver's "best trial" line
+        ranks by (``best_result``), the same on a first run and a restored one."""
+        reported = [t for t in trials if self._stats(t).get("last") is not None]
+        return min(reported, key=self._rank) if reported else None
 
     def counts(self, trials: list) -> dict[str, int]:
         n = {k: 0 for k in ("running", "terminated", "pruned", "errored", "pending")}
@@ -325,7 +355,10 @@ class SearchProgress(tune.Callback):
         total = max(self._total, len(trials))
         head = (f"[{fmt_time(time.monotonic() - self._start)}] {self.name}: {total} trials: "
                 + ", ".join(f"{v} {k}" for k, v in n.items()))
-        rows = [t for t in trials if self.state(t) in ("running", "paused") or t.trial_id in self._recent]
+        live = [t for t in trials if self.state(t) in ("running", "paused")]
+        ended = [t for t in trials if self.state(t) in ENDED]
+        rows = live + [t for t in ended if t.trial_id in self._recent] + sorted(
+            (t for t in ended if t.trial_id not in self._recent), key=self._rank)   # finished: best first
         more = max(0, len(rows) - MAX_ROWS)
         rows = rows[:MAX_ROWS]
         names = short_names(self.params)
@@ -354,7 +387,8 @@ class SearchProgress(tune.Callback):
     def summary(self, trials: list) -> str:
         n = self.counts(trials)
         unfinished = n["running"] + n["pending"]
-        verb = f"stopped with {unfinished} trials unfinished" if unfinished else "finished"
+        by = f" by {interrupt.stopped_by()}" if interrupt.stopped_by() else ""
+        verb = f"stopped{by} with {unfinished} trials unfinished" if unfinished else "finished"
         best = self._best(trials)
         tail = ""
         if best is not None:

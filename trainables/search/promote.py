@@ -123,7 +123,7 @@ def _best_trial(client: MlflowClient, parent: Any, children: list[Any], metric: 
     if not full:
         raise ConfigError(f"no trial of search '{search}' (parent run {parent.info.run_id}) trained for its full "
                           f"budget of {budget} epochs; nothing to promote")
-    best = min(full, key=lambda c: c.data.metrics[metric])
+    best = min(full, key=lambda c: (c.data.metrics[metric], c.info.start_time))   # ties: the trial started first
     with tempfile.TemporaryDirectory() as tmp:
         config = yaml.safe_load(Path(client.download_artifacts(best.info.run_id, "config.yaml", tmp)).read_text())
     return best, config, {"trial_id": best.data.tags.get(tracking.TRIAL_TAG, ""), metric: best.data.metrics[metric],
