@@ -32,6 +32,7 @@ from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast import wgrad_stream  # noqa: E402
+from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 
@@ -86,9 +87,8 @@ def profile(args) -> int:
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
                       args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None,
                       realize_reads_threshold=args.reads)
+    Switches.teacher_stream = not (args.no_teacher_stream or args.serial)   # read when the runner is built
     runner = build_runner(cfg, 10, device)
-    if args.no_teacher_stream or args.serial:
-        runner.teacher_stream = None
     data = DeviceData(raw, splits, True, 4, device)
     gen = runner.generator.manual_seed(0)
     it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))

@@ -143,3 +143,21 @@ def test_the_core_enters_the_fast_path_through_one_door_and_reaches_search_only_
     at_top = {str(p.relative_to(ROOT)) for p in core for node in ast.parse(p.read_text()).body
               if any(n.startswith("trainables.search") for n in _names_of(node))}
     assert not at_top, at_top
+
+
+def test_the_plain_step_imports_nothing_of_the_fast_path():
+    """``trainables/step.py`` is the specification: it imports nothing of ``trainables.fast``, at its top, inside a
+    function or for annotations, so the fast path can only wrap it (``trainables.fast.switch.FastStep`` is handed
+    ``train_step``), never reach into it; and ``fast`` imports the step only for annotations (no circle)."""
+    step = ROOT / "trainables" / "step.py"
+    assert {n for n in imported_names(step) if n.startswith("trainables.fast")} == set()
+    for path in sorted((ROOT / "trainables" / "fast").glob("*.py")):
+        assert "trainables.step" not in imported_names(path, type_only=False), path
+
+
+@pytest.mark.xfail(reason="issue 56, 'Plain models': models/shakeshake.py still imports fast kernels", strict=True)
+def test_models_import_nothing_of_the_fast_path():
+    """The models are plain PyTorch: the fused and folded variants are applied by ``fast`` to a built model."""
+    wrong = {str(p.relative_to(ROOT)): sorted(n for n in imported_names(p) if n.startswith("trainables.fast"))
+             for p in sorted((ROOT / "trainables" / "models").glob("*.py"))}
+    assert not {k: v for k, v in wrong.items() if v}, wrong

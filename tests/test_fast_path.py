@@ -13,6 +13,7 @@ from trainables.models import create_model
 from trainables.optim import make_optimizer
 from trainables.models.segmented_bn import (SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments,
                                      convert_batch_norm, segmentable)
+from trainables.fast.switch import FastStep
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
 from trainables.trainer import fit
@@ -25,7 +26,7 @@ def runner(cfg: TrainConfig) -> StepRunner:
     student = create_model(cfg.model, 10)
     teacher = make_teacher(student)
     return StepRunner(cfg, student, teacher, make_optimizer(student, cfg.optim, cfg.train.batch_size),
-                      torch.device("cpu"), bf16=False)
+                      torch.device("cpu"), bf16=False, fast=FastStep)
 
 
 def as_dtype(batch: Batch, dtype: torch.dtype) -> Batch:
@@ -48,7 +49,7 @@ def test_compiled_step_matches_eager_step(dtype):
     torch.set_default_dtype(dtype)
     try:
         eager, fast = runner(eager_cfg), runner(fast_cfg)
-        assert fast.student_forward is not fast.student  # really compiled
+        assert fast.fast.kernels.student is not fast.student and fast.compiled  # really compiled
         for i, batch in enumerate(batches):
             for r in (eager, fast):
                 r.step(batch, torch.Generator().manual_seed(1), 0.1, 0.9)
@@ -338,8 +339,8 @@ def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(t
             config(fast=False, **{name: value})
 
     runner = build_runner(plain, 10, torch.device("cpu"))
-    assert runner.student_forward is runner.student and runner.stacked_bns is None and not runner.compiled
-    assert runner.step_graph is None and runner.teacher_stream is None and runner.update_parts is None
+    assert runner.fast is None and runner.stacked_bns is None and not runner.compiled   # not entered at all
+    assert runner.kernels.student is runner.student
     spelled_out = config(**{k: v for k, v in PLAIN_TRAIN.items()})
     data = prepare_data(plain.data, 0, torch.device("cpu"))
     weights, lines = [], []

@@ -144,10 +144,10 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
             torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
         runner = build_runner(cfg, 10, CPU)
         assert inductor.realize_reads_threshold == 8 and registered == [True]
-        assert runner.inductor_options["student"]["realize_reads_threshold"] == 3
+        assert runner.fast.inductor_options["student"]["realize_reads_threshold"] == 3
         torch._dynamo.reset()
         try:
-            runner.student_forward(torch.randn(2, 3, 32, 32)).sum().backward()
+            runner.fast.kernels.student(torch.randn(2, 3, 32, 32)).sum().backward()
         finally:
             torch._dynamo.reset()
     assert (False, 3) in seen and (True, 3) in seen and all(reads == 3 for _, reads in seen), seen
@@ -155,7 +155,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
     compile_key = switch.compile_key
     key = compile_key(runner, batch)
-    runner.inductor_options["student"]["realize_reads_threshold"] = 8
+    runner.fast.inductor_options["student"]["realize_reads_threshold"] = 8
     assert compile_key(runner, batch) != key
     key = compile_key(runner, batch)
     monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", False)   # a model switch: the traced graph differs

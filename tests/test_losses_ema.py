@@ -108,6 +108,7 @@ def test_ema_with_device_scalars_matches_host_floats_bit_for_bit():
 
 def test_cuda_graph_setting_is_checked_and_cpu_steps_are_never_captured():
     from trainables.config import TrainConfig
+    from trainables.fast.switch import FastStep
     from trainables.optim import make_optimizer
     from trainables.step import StepRunner
     from trainables.validation import ConfigError
@@ -117,8 +118,8 @@ def test_cuda_graph_setting_is_checked_and_cpu_steps_are_never_captured():
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "mix": {"name": "cowmix"}, "train": {"cuda_graph": "step"}})
     student = Net()
     runner = StepRunner(cfg, student, make_teacher(student), make_optimizer(student, cfg.optim, 8),
-                        torch.device("cpu"), False)
-    assert runner.step_graph is None and runner.cuda_graph == "none"
+                        torch.device("cpu"), False, fast=FastStep)
+    assert runner.fast.step_graph is None and runner.cuda_graph == "none"
 
 
 def test_ema_weights_sum_to_one_in_float32():

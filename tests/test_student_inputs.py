@@ -73,7 +73,7 @@ def test_channels_last_on_request():
 
 def test_loss_terms_compile_once_for_every_trials_numbers():
     from trainables.config import TrainConfig
-    from trainables.step import loss_terms, path_numbers
+    from trainables.step import PathNumbers, loss_terms
     from trainables.ssl.masks import device_constants
 
     torch._dynamo.reset()
@@ -85,7 +85,8 @@ def test_loss_terms_compile_once_for_every_trials_numbers():
     for omega, thresh in ((30.0, 0.6), (5.0, 0.2), (12.0, -1.0)):
         cfg = TrainConfig.from_dict({"perturb": {"name": "cowout", "weight": omega / 10, "conf_thresh": thresh},
                                      "mix": {"name": "cowmix", "weight": omega, "conf_thresh": thresh}})
-        numbers = device_constants(path_numbers(cfg), torch.device("cpu"))
+        # as the fast path passes them: 0-d views of one device tensor (trainables.fast.switch.FastStep)
+        numbers = PathNumbers(*device_constants(tuple(PathNumbers.of(cfg)), torch.device("cpu")).unbind())
         grads = []
         for fn in (compiled, loss_terms):
             xs = [t.clone().requires_grad_() for t in logits]

@@ -13,7 +13,7 @@ from trainables.data import prepare_data
 from trainables.models import create_model
 from trainables.optim import make_optimizer
 from trainables.ssl.ema import make_teacher
-from trainables.step import StepRunner
+from trainables.step import StepRunner, train_step
 from trainables.trainer import fit
 from trainables.validation import ConfigError, TrainingDiverged
 
@@ -68,18 +68,19 @@ def test_unlabeled_loss_trains_student_not_teacher(method, digits):
     torch.manual_seed(0)
     student = create_model(cfg.model, digits.num_classes)
     teacher = make_teacher(student)
-    runner = StepRunner(cfg, student, teacher, make_optimizer(student, cfg.optim, 16), torch.device("cpu"), False)
     # let every sample pass the confidence threshold so the unlabeled loss is non-zero
     import dataclasses
     for key in ("perturb", "mix"):
         path = getattr(cfg, key)
         if path is not None:
-            runner.cfg = dataclasses.replace(runner.cfg, **{key: dataclasses.replace(path, conf_thresh=0.0)})
+            cfg = dataclasses.replace(cfg, **{key: dataclasses.replace(path, conf_thresh=0.0)})
+    runner = StepRunner(cfg, student, teacher, make_optimizer(student, cfg.optim, 16), torch.device("cpu"), False)
     batch = next(iter(digits.train_batches(0, 0, 16, 1, cfg.perturb is not None and
                                            cfg.perturb.regularizer.augment_twice)))
-    loss, _ = runner.losses(batch, torch.Generator().manual_seed(0), supervised=False)
-    assert loss.item() > 0
-    loss.backward()
+    unlabeled = dataclasses.replace(batch, x_sup=None, y_sup=None)   # the step without its supervised part
+    train_step(runner, runner.kernels, unlabeled, torch.Generator().manual_seed(0), 0.1, 0.97, runner.numbers)
+    losses = [runner.sums[k].item() for k in (M.LOSS_CONS, M.LOSS_MIX) if k in runner.sums]
+    assert losses and all(v > 0 for v in losses) and runner.sums[M.LOSS_SUP].item() == 0
     unl_norm = sum(float(p.grad.norm()) for p in student.parameters() if p.grad is not None)
     assert unl_norm > 0, "the unlabeled loss sends no gradient to the student"
     assert all(p.grad is None for p in teacher.parameters()), "the teacher got a gradient"

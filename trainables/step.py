@@ -3,33 +3,36 @@ supervised loss on the labeled batch, then the erasure path's and the mixing pat
 Mean Teacher's confidence-gated predictions, one SGD update, the teacher's EMA.
 
 "Milking CowMask for Semi-Supervised Image Classification", arXiv:2003.12022; semantics of the authors'
-``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). What a step computes lives here, written
-plainly: ``student_inputs`` (the regularizers' perturbed and mixed batches), ``loss_terms`` and
-``StepRunner.losses`` / ``_step``. How it runs fast (compiled, one CUDA graph, streams, our kernels) is
-``trainables.fast``'s, added through ``trainables.fast.switch.speed_up`` and changing no result. The reference calls
-the student once per batch, so batch-norm statistics are per batch; by default the batches are stacked into one
-call whose batch norm keeps per-batch statistics (``trainables.models.segmented_bn``), which gives the same result
-with fewer, larger kernels. The teacher runs in eval mode under ``no_grad``. Metrics stay on the device as running
-sums; nothing here synchronises with the host.
+``train_step`` (``../shared/reference/cowmask-reference.md`` section 3). ``train_step`` is the whole step, top to
+bottom; the parts it calls are named in ``Kernels`` (the plain ones are this module's functions), its numbers in
+``PathNumbers``, and what it trains is a ``StepRunner``'s. The fast path (``trainables.fast.switch.FastStep``,
+which the trainer hands to the runner unless ``train.fast`` is false) wraps this same function: it swaps compiled
+kernels and CUDA streams into it, passes its numbers as device tensors, and may capture the whole of it in one CUDA
+graph; it changes no result. This module imports nothing of ``trainables.fast``.
+
+The reference calls the student once per batch, so batch-norm statistics are per batch; with
+``train.stack_student_calls`` the batches are stacked into one call whose batch norm keeps per-batch statistics
+(``trainables.models.segmented_bn``), the same result with fewer, larger kernels. The teacher runs in eval mode
+under ``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from trainables import metrics as M
 from trainables.config import MixPath, PerturbPath, TrainConfig
 from trainables.data import Batch
-from trainables.fast.switch import backward_on_side, first_step_lock, speed_up
 from trainables.models.segmented_bn import batch_segments, segmentable, set_ghost_batch
-from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight
+from trainables.ssl.ema import EmaPairs, ema_update_, teacher_logits
 from trainables.ssl.losses import confidence_weight, mix_targets, squared_error, wide
-from trainables.ssl.masks import device_constants
 from trainables.ssl.regularizers import Regularizer
 
 
@@ -69,56 +72,146 @@ def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch
     return [x.contiguous(memory_format=fmt) for x in xs], blend
 
 
-def path_numbers(cfg: TrainConfig) -> tuple[float, ...]:
-    """What ``loss_terms`` reads of the paths' numbers: omega and the confidence threshold of each path
-    (0 for a path that is off)."""
-    return tuple(v for path in (cfg.perturb, cfg.mix)
-                 for v in ((path.weight, path.conf_thresh) if path is not None else (0.0, 0.0)))
+class PathNumbers(NamedTuple):
+    """The paths' numbers that the losses read, by name: omega (the consistency loss's weight) and psi (the teacher's
+    confidence threshold) of the erasure path and of the mixing path; 0 for a path that is off. Floats in the plain
+    step; the fast path passes 0-d device tensors instead, so that one compilation and one captured CUDA graph serve
+    every trial's numbers (``trainables.fast.switch.FastStep``)."""
+    erase_weight: float | Tensor
+    erase_thresh: float | Tensor
+    mix_weight: float | Tensor
+    mix_thresh: float | Tensor
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> "PathNumbers":
+        erase, mix = cfg.perturb, cfg.mix
+        return cls(erase.weight if erase else 0.0, erase.conf_thresh if erase else 0.0,
+                   mix.weight if mix else 0.0, mix.conf_thresh if mix else 0.0)
 
 
 def loss_terms(logits: list[torch.Tensor], teacher_logits: torch.Tensor | None, y_sup: torch.Tensor | None,
                blend: torch.Tensor | None, perturb: PerturbPath | None, mix: MixPath | None,
-               numbers: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               numbers: PathNumbers) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's loss and its detached parts from the student's logits (``student_inputs``' order: labeled,
-    erased, mixed) and the teacher's logits (float32 or wider): cross-entropy on the labeled batch (``y_sup``; None leaves
-    it out), then each path's weighted consistency loss. The paths' numbers come as ``numbers``
-    (``path_numbers``): compiled with ``student_inputs``, one compilation serves every trial's; of the paths it
-    reads only the choices that shape the computation."""
+    erased, mixed) and the teacher's logits z (float32 or wider): cross-entropy on the labeled batch (``y_sup``;
+    None leaves it out), then each path's consistency loss d weighted by its omega. Of the paths it reads only the
+    choices that shape the computation; their numbers come as ``numbers``."""
     stats = {}
     logits = list(logits)
-    loss = torch.zeros((), device=numbers.device)
+    loss = torch.zeros((), device=logits[0].device)
     if y_sup is not None:
         logits_sup = logits.pop(0)
         loss_sup = F.cross_entropy(wide(logits_sup), y_sup)
         stats[M.LOSS_SUP] = loss_sup.detach()
         stats[M.ERR_SUP] = (logits_sup.argmax(1) != y_sup).float().mean()
         loss = loss_sup
-    if perturb is not None:
+    if perturb is not None:   # Algorithm 2: q = max_i z[i] > psi per sample; d = q ||y_m - z||^2
         teacher_probs = F.softmax(teacher_logits, dim=1)
-        weight, rate = confidence_weight(teacher_probs.max(1).values, numbers[1], perturb.conf_avg)
-        loss_cons = squared_error(logits.pop(0), teacher_probs, weight)
-        loss = loss + numbers[0] * loss_cons
+        q, rate = confidence_weight(teacher_probs.max(1).values, numbers.erase_thresh, perturb.conf_avg)
+        loss_cons = squared_error(logits.pop(0), teacher_probs, q)
+        loss = loss + numbers.erase_weight * loss_cons
         stats[M.LOSS_CONS], stats[M.CONF_RATE] = loss_cons.detach(), rate
-    if mix is not None:
-        teacher_probs_mixed, confidence = mix_targets(teacher_logits, blend, mix.mix_logits, mix.conf_mode)
-        weight, rate = confidence_weight(confidence, numbers[3], mix.conf_avg)
-        loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, weight)
-        loss = loss + numbers[2] * loss_mix
+    if mix is not None:   # Algorithm 3: z_m and c_m blended by the mask's mean; q = mean(c_m > psi); d = q ||y_m - z_m||^2
+        teacher_probs_mixed, confidence_mixed = mix_targets(teacher_logits, blend, mix.mix_logits, mix.conf_mode)
+        q, rate = confidence_weight(confidence_mixed, numbers.mix_thresh, mix.conf_avg)
+        loss_mix = squared_error(logits.pop(0), teacher_probs_mixed, q)
+        loss = loss + numbers.mix_weight * loss_mix
         stats[M.LOSS_MIX], stats[M.MIX_CONF_RATE] = loss_mix.detach(), rate
     return loss, stats
 
 
-class StepRunner:
-    """Owns the student, teacher, optimiser and the device-side metric sums of one run.
+def student_logits(student: Callable[[Tensor], Tensor], r: StepRunner, inputs: list[Tensor],
+                   segments: list[tuple[int, bool]], stacked: bool) -> list[Tensor]:
+    """The student's logits for each (batch size, updates BN running stats) in the reference's call order, from
+    ``student_inputs``: one ``stacked`` batch, called once with per-batch batch-norm statistics, or one batch a
+    call."""
+    if stacked:
+        with batch_segments(r.stacked_bns, tuple(segments)), r.autocast:
+            logits = student(inputs[0])
+        return list(logits.split([n for n, _ in segments]))
+    out = []
+    for x, (_, update) in zip(inputs, segments):
+        with (contextlib.nullcontext() if update else frozen_bn_stats(r.student)), r.autocast:
+            out.append(student(x))
+    return out
 
-    Built as the plain step, the specification: the student called eagerly once per batch (or once over the
-    stacked batches, with per-batch batch norm), the teacher on the same stream, the update and the EMA as
-    written. ``trainables.fast.switch.speed_up`` then gives it what ``train`` asks for (compiled models and glue,
-    CUDA streams and graphs), unless ``train.fast`` is false."""
+
+def update_(optimizer: torch.optim.Optimizer, pairs: EmaPairs, alpha: float | Tensor) -> None:
+    """SGD on the student, then the teacher follows it: teacher <- alpha * teacher + (1 - alpha) * student."""
+    optimizer.step()
+    ema_update_(pairs, alpha)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How ``train_step`` runs its parts: these defaults and the runner's models are the plain step, the
+    specification. The fast path builds others that compute the same (``trainables.fast.switch.FastStep``): the
+    models and the glue compiled, the teacher on its own CUDA stream (then ``loss_terms`` waits for it), the weight
+    gradients on another (``backward`` joins it), the update in two parts around that join."""
+    student: Callable[[Tensor], Tensor]      # the student's forward pass
+    teacher: Callable[[Tensor], Tensor]      # the teacher's logits, ``trainables.ssl.ema.teacher_logits``
+    student_inputs: Callable[..., tuple[list[Tensor], Tensor | None]] = student_inputs
+    loss_terms: Callable[..., tuple[Tensor, dict[str, Tensor]]] = loss_terms
+    backward: Callable[[Tensor], None] = Tensor.backward
+    update: Callable[[torch.optim.Optimizer, EmaPairs, float | Tensor], None] = update_
+
+
+def train_step(r: StepRunner, k: Kernels, batch: Batch, gen: torch.Generator, lr: float | Tensor,
+               alpha: float | Tensor, numbers: PathNumbers) -> None:
+    """One step of the student's optimiser and the teacher's EMA on ``batch``: the supervised loss beside
+    Algorithm 2 (erasure, ``cfg.perturb``) and Algorithm 3 (mixing, ``cfg.mix``), each path on when the config has
+    it; ``batch.x_sup`` None leaves the supervised part out. ``lr``, ``alpha`` and ``numbers`` are floats, or 0-d
+    device tensors in a captured CUDA graph. Masks are drawn from ``gen``; the step's metrics are added to
+    ``r.sums``. In the paper's names: x_hat = std_aug(x) is ``batch.x_unsup0``, z the teacher's prediction on it,
+    m a mask, x_hat_m the student's masked input and y_m its prediction, q the confidence gate, d the consistency
+    loss."""
+    cfg = r.cfg
+    erase = cfg.perturb.regularizer if cfg.perturb is not None else None
+    mix = cfg.mix.regularizer if cfg.mix is not None else None
+    x_sup, x_hat = batch.x_sup, batch.x_unsup0
+    x_hat_student = batch.x_unsup1   # what the erasure masks: x_hat, or for Mean Teacher a second augmentation
+    # z = stop_gradient(g_phi(x_hat)): the teacher's logits on the unmasked batch; launched first, it may run
+    # beside what follows (the fast path's teacher stream)
+    z_logits = k.teacher(x_hat) if erase is not None or mix is not None else None
+    # The masks m (and the erasure's noise): x_hat_m = x_hat * m + noise * (1 - m) for erasure; for mixing
+    # x_hat_m = x_a * m + x_b * (1 - m), the partner x_b being the batch rolled by one (as in the reference)
+    erase_draws = erase.draw(x_hat_student, gen) if erase is not None else None
+    mix_draws = mix.draw(x_hat, gen) if mix is not None else None
+    # Batch-norm statistics per batch, as the reference's separate student calls; with both paths on, the running
+    # statistics are kept from the erasure call only
+    segments = [(x_sup.shape[0], True)] if x_sup is not None else []
+    segments += [(x_hat_student.shape[0], True)] if erase is not None else []
+    segments += [(x_hat.shape[0], erase is None)] if mix is not None else []
+    stacked = r.stacked_bns is not None and len(segments) > 1
+    inputs, blend = k.student_inputs(x_sup, x_hat_student, x_hat, erase, erase_draws, mix, mix_draws, stacked,
+                                     r.memory_format == torch.channels_last)
+    # y = f_theta(x): the student on the labeled batch, then y_m on each masked one
+    logits = student_logits(k.student, r, inputs, segments, stacked)
+    # cross-entropy + omega_erase * d_erase + omega_mix * d_mix
+    loss, stats = k.loss_terms(logits, z_logits, batch.y_sup if x_sup is not None else None, blend, cfg.perturb,
+                               cfg.mix, numbers)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    r.optimizer.zero_grad(set_to_none=True)
+    k.backward(loss)
+    if r.grad_sync is not None:
+        r.grad_sync(r.student)   # a data-parallel worker's all-reduce of the gradients
+    k.update(r.optimizer, r.pairs, alpha)   # SGD, then the teacher's EMA of the student
+    keys = list(stats)
+    torch._foreach_add_([r.sums[key] for key in keys], [stats[key] for key in keys])   # one fused kernel
+
+
+class StepRunner:
+    """What one run trains and how: the student, teacher, optimiser and the device-side metric sums, and the step
+    that trains them, ``train_step`` with the plain ``Kernels``. ``fast`` (the trainer passes
+    ``trainables.fast.switch.FastStep`` unless ``train.fast`` is false) is called with ``train_step`` and the
+    runner, and gives what then runs each step in its place: that same function with faster kernels, or captured
+    in a CUDA graph."""
 
     def __init__(self, cfg: TrainConfig, student: nn.Module, teacher: nn.Module,
                  optimizer: torch.optim.Optimizer, device: torch.device, bf16: bool,
-                 grad_sync: Callable[[nn.Module], None] | None = None):
+                 grad_sync: Callable[[nn.Module], None] | None = None,
+                 fast: Callable[[Callable[..., None], StepRunner], Any] | None = None):
         """``grad_sync``: called with the student after the backward pass, before the update (a data-parallel
         worker's all-reduce of the gradients: ``trainables.data_parallel.GradientMean``); inside a captured step too."""
         self.cfg, self.student, self.teacher, self.optimizer = cfg, student, teacher, optimizer
@@ -132,21 +225,20 @@ class StepRunner:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
                                        cache_enabled=self.cuda_graph != "step")
         self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
-        # The plain step's parts; speed_up replaces those that train asks to run faster
-        self.compiled = self.graphs = self.wgrad_stream = self.tuned = self.ema_compiled = False
-        self.inductor_options: dict[str, dict[str, object]] = {}
-        self.student_forward, self.teacher_forward = student, teacher
-        self.student_inputs, self.loss_terms, self.ema = student_inputs, loss_terms, ema_update_
-        self.teacher_stream: torch.cuda.Stream | None = None
-        self.step_graph = None   # trainables.fast.step_graph.StepGraph: the whole step as one CUDA graph
-        self.update_parts = None   # (early, late) parts of the update around the weight-gradient stream's join
-        if cfg.train.fast:
-            speed_up(self)
+        # (a partial, not a bound method: the kernels hold no reference back to the runner)
+        self.kernels = Kernels(student=student,
+                               teacher=functools.partial(teacher_logits, teacher, self.autocast, self.memory_format))
+        self.numbers = PathNumbers.of(cfg)
         self.generator = torch.Generator(device=device)   # one object for the run: a captured step holds it
         self.sums: dict[str, torch.Tensor] = {}
         self.reset_metrics()
         # {time/first_step_s, time/compile_wait_s} once the first step (compilation, cuDNN tuning, capture) ran
         self.first_step: dict[str, float] | None = None
+        self.fast = fast(train_step, self) if fast is not None else None
+
+    @property
+    def compiled(self) -> bool:
+        return self.fast is not None and self.fast.compiled
 
     def reset_metrics(self) -> None:
         keys = [M.LOSS_SUP, M.ERR_SUP]
@@ -168,80 +260,14 @@ class StepRunner:
         values = torch.stack(list(self.sums.values())).cpu().tolist()
         return {k: v / self.count for k, v in zip(self.sums, values)}
 
-    def _x(self, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous(memory_format=self.memory_format)
-
-    def student_logits(self, inputs: list[torch.Tensor], segments: list[tuple[int, bool]],
-                       stacked: bool) -> list[torch.Tensor]:
-        """The student's logits for each (batch size, updates BN running stats) in the reference's call order,
-        from ``student_inputs``: one ``stacked`` batch, called once with per-batch batch-norm statistics, or one
-        batch per call."""
-        if stacked:
-            with batch_segments(self.stacked_bns, tuple(segments)), self.autocast:
-                logits = self.student_forward(inputs[0])
-            return list(logits.split([n for n, _ in segments]))
-        out = []
-        for x, (_, update) in zip(inputs, segments):
-            with (contextlib.nullcontext() if update else frozen_bn_stats(self.student)), self.autocast:
-                out.append(self.student_forward(x))
-        return out
-
-    def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The teacher's logits, float32 or wider (eval mode, no gradient), launched on the teacher's stream if it
-        has one: the caller's stream must wait for that stream before it reads them."""
-        stream = self.teacher_stream
-        if stream is None:
-            with torch.no_grad(), self.autocast:
-                return wide(self.teacher_forward(self._x(x)))
-        # The teacher stream starts after all work queued so far (this step's batch, the last EMA update) and
-        # allocates only here: a block it frees is reused by it after its next wait, when the main stream's
-        # reads of the last step's logits are queued before that point.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.no_grad(), self.autocast:
-            return wide(self.teacher_forward(self._x(x)))
-
-    def losses(self, batch: Batch, gen: torch.Generator, supervised: bool = True
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Total loss and its detached parts for one batch; ``supervised=False`` leaves out the labeled part."""
-        cfg = self.cfg
-        perturb = cfg.perturb.regularizer if cfg.perturb is not None else None
-        mix = cfg.mix.regularizer if cfg.mix is not None else None
-        teacher_logits = None
-        if perturb is not None or mix is not None:
-            teacher_logits = self.teacher_logits(batch.x_unsup0)
-        # With both paths on, the reference keeps BN running stats from the erasure call only.
-        segments = [(batch.x_sup.shape[0], True)] if supervised else []
-        segments += [(batch.x_unsup1.shape[0], True)] if perturb is not None else []
-        segments += [(batch.x_unsup0.shape[0], perturb is None)] if mix is not None else []
-        stacked = self.stacked_bns is not None and len(segments) > 1
-        inputs, blend = self.student_inputs(
-            batch.x_sup if supervised else None, batch.x_unsup1, batch.x_unsup0,
-            perturb, perturb.draw(batch.x_unsup1, gen) if perturb is not None else None,
-            mix, mix.draw(batch.x_unsup0, gen) if mix is not None else None,
-            stacked, self.memory_format == torch.channels_last)
-        logits = self.student_logits(inputs, segments, stacked)
-        if self.teacher_stream is not None and teacher_logits is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.teacher_stream)
-        return self.loss_terms(logits, teacher_logits, batch.y_sup if supervised else None, blend,
-                               cfg.perturb, cfg.mix, device_constants(path_numbers(cfg), self.device))
-
     def step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
-        """One optimiser step and one teacher update."""
-        if self.first_step is None:
-            self._first_step(batch, gen, lr, alpha)
-        else:
-            self._step(batch, gen, lr, alpha)
-
-    def release_graphs(self) -> None:
-        """Frees the whole-step CUDA graph, if captured (the next step captures again): before a data-parallel
-        worker's process group is destroyed (``StepGraph.release``)."""
-        if self.step_graph is not None:
-            self.step_graph.release()
-
-    def _first_step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
-        """The first step compiles (``first_step_lock``: on CUDA alone of the processes on the machine)."""
+        """One optimiser step and one teacher update. The first compiles where the fast path compiles (on CUDA
+        under the machine's first-compile lock, ``FastStep.first_step_lock``) and is timed."""
+        if self.first_step is not None:
+            return self._step(batch, gen, lr, alpha)
         t0 = time.monotonic()
-        lock = first_step_lock(self, batch) if self.cfg.train.fast else contextlib.nullcontext({"waited_s": 0.0})
+        lock = self.fast.first_step_lock(self, batch) if self.fast is not None \
+            else contextlib.nullcontext({"waited_s": 0.0})
         with lock as waited:
             self._step(batch, gen, lr, alpha)
             if self.device.type == "cuda":
@@ -250,30 +276,17 @@ class StepRunner:
                            M.COMPILE_WAIT_S: waited["waited_s"]}
 
     def _step(self, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
-        if self.step_graph is not None:
-            return self.step_graph.step(self, batch, gen, lr, alpha)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # outputs of the last step's graphs may be reused
-        loss, stats = self.losses(batch, gen)
-        self.optimizer.zero_grad(set_to_none=True)
-        with backward_on_side(self.wgrad_stream, self.device):   # joined when it ends
-            loss.backward()
-        if self.grad_sync is not None:
-            self.grad_sync(self.student)
-        self.optimizer.step()
-        if self.ema_compiled:
-            self.ema(self.pairs, *(torch.full((), v, device=self.device) for v in (alpha, ema_weight(alpha))))
+        if self.fast is not None:
+            self.fast(self, batch, gen, lr, alpha)
         else:
-            ema_update_(self.pairs, alpha)
-        self.add_stats(stats)
+            train_step(self, self.kernels, batch, gen, lr, alpha, self.numbers)
         self.count += 1
 
-    def add_stats(self, stats: dict[str, torch.Tensor]) -> None:
-        """Add a step's metrics to the running sums, in one fused kernel."""
-        keys = list(stats)
-        torch._foreach_add_([self.sums[k] for k in keys], [stats[k] for k in keys])
+    def release_graphs(self) -> None:
+        """Frees the whole-step CUDA graph, if captured (the next step captures again): before a data-parallel
+        worker's process group is destroyed (``StepGraph.release``)."""
+        if self.fast is not None:
+            self.fast.release()
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
-from trainables.fast.switch import gpu_identity, gpu_turn, prepare_student
+from trainables.fast.switch import FastStep, gpu_identity, gpu_turn, prepare_student
 from trainables.file_locks import job_lock
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
@@ -224,8 +224,8 @@ def choose_convolutions(cfg: TrainConfig, device: torch.device) -> None:
 
 def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
                  grad_sync: Callable[[nn.Module], None] | None = None) -> StepRunner:
-    """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them (``grad_sync``: a
-    data-parallel worker's, ``StepRunner``'s)."""
+    """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them: the plain step, made
+    fast by ``FastStep`` unless ``train.fast`` is false (``grad_sync``: a data-parallel worker's, ``StepRunner``'s)."""
     torch.manual_seed(cfg.seed)
     student = create_model(cfg.model, num_classes).to(device)
     if cfg.train.fast:
@@ -235,7 +235,7 @@ def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
     teacher = make_teacher(student)
     optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    return StepRunner(cfg, student, teacher, optimizer, device, bf16, grad_sync)
+    return StepRunner(cfg, student, teacher, optimizer, device, bf16, grad_sync, FastStep if cfg.train.fast else None)
 
 
 def check_names(cfg: TrainConfig) -> None:
@@ -291,7 +291,7 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
     if not existed:
         _hold_folder(held, out)
     runner = build_runner(cfg, data.num_classes, device)
-    student, teacher, optimizer, bf16 = runner.student, runner.teacher, runner.optimizer, runner.bf16
+    student, teacher, optimizer, bf16, fast = runner.student, runner.teacher, runner.optimizer, runner.bf16, runner.fast
     base_lr = optimizer.param_groups[0]["lr"]
     steps_per_epoch = cfg.train.steps_per_epoch or data.default_steps_per_epoch(cfg.train.batch_size)
 
@@ -307,9 +307,9 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
     checkpoints.write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
-        f"{'' if cfg.train.fast else ', the plain step (train.fast false)'}"
-        f"{TUNED_NOTE if runner.tuned else ''}"
-        f"{' + CUDA graphs' if runner.graphs else ''}{' + one CUDA graph per step' if runner.step_graph else ''}, "
+        f"{'' if fast else ', the plain step (train.fast false)'}{TUNED_NOTE if fast and fast.tuned else ''}"
+        f"{' + CUDA graphs' if fast and fast.graphs else ''}"
+        f"{' + one CUDA graph per step' if fast and fast.step_graph else ''}, "
         f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
 
     split = cfg.data.eval_split

@@ -1,4 +1,5 @@
-"""The whole training step as one CUDA graph: losses, backward, optimiser, teacher EMA, metric sums.
+"""The whole training step as one CUDA graph: losses, backward, optimiser, teacher EMA, metric sums, as
+``trainables.step.train_step`` computes them (the very function is captured, with the fast kernels).
 
 Between its compiled model passes, an eager step launches a few hundred small kernels (masks,
 losses, autograd glue, optimiser, EMA, metrics); replaying one graph per step removes those launch
@@ -6,8 +7,8 @@ gaps. The graph is captured at the first step, after warm-up passes (compilation
 optimiser state) whose effects on the weights, optimiser, batch-norm statistics and random streams
 are undone, so the first real step starts from exactly the state it was given: a fresh run or a
 resumed checkpoint. Per step, the batch is copied into the graph's input buffers (its images in one
-copy when they lie back to back, as ``DeviceData``'s do) and the learning rate, teacher alpha and
-1 - alpha into three device scalars (one copy); nothing synchronises with the host.
+copy when they lie back to back, as ``DeviceData``'s do) and the learning rate and teacher alpha into two
+device scalars (one copy); nothing synchronises with the host.
 
 The graph is captured on a high-priority stream, the teacher's and the weight gradients' streams keeping
 the default priority. PyTorch instantiates graphs with per-node priorities (the stream's, at capture), so
@@ -19,23 +20,23 @@ replaced, each epoch), metric sums zeroed in place, and SGD with a tensor learni
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from trainables.data import Batch
 from trainables.fast.cuda_streams import shared_stream
-from trainables.fast.split_update import UpdatePart, sgd_part_
-from trainables.fast.wgrad_stream import backward_on_side
-from trainables.ssl.ema import ema_weight
 
 WARMUP_PASSES = 3   # enough for torch.compile, cuDNN autotuning and the optimiser's momentum buffers
 HIGH_PRIORITY = -1  # of the capture stream (lower is higher; the side streams have 0, the default)
 
 
+Body = Callable[[Batch, torch.Generator, torch.Tensor, torch.Tensor], None]   # (batch, gen, lr, alpha): one step
+
+
 class StepGraph:
-    """Captures and replays a ``trainables.step.StepRunner``'s step; the runner passes itself to each call
-    (the graph keeps no reference to it, so a dropped runner frees the graph's memory pool at once)."""
+    """Captures and replays a step, ``body``, of the runner ``r`` (a ``trainables.step.StepRunner``) passed to each
+    call: the graph keeps no reference to either, so a dropped runner frees the graph's memory pool at once."""
 
     priority = True   # capture on a high-priority stream (off: the default priority, for A/B timings)
 
@@ -44,13 +45,14 @@ class StepGraph:
         self.inputs: Batch | None = None
         self.images: torch.Tensor | None = None   # the inputs' images, (views, B, C, H, W)
         self.gen: torch.Generator | None = None
-        # lr, alpha and 1 - alpha (computed on the host, as the eager step does)
-        self.scalars = torch.zeros(3, device=device)
-        self.lr, self.alpha, self.weight = self.scalars.unbind()
+        self.scalars = torch.zeros(2, device=device)
+        self.lr, self.alpha = self.scalars.unbind()
 
-    def step(self, r: Any, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+    def step(self, body: Body, r: Any, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+        """One step: at the first call ``body`` is captured (called with the graph's input buffers and device
+        scalars), then replayed with this call's batch, ``lr`` and ``alpha`` copied in."""
         if self.graph is None:
-            self._capture(r, batch, gen)
+            self._capture(body, r, batch, gen)
         elif gen is not self.gen:
             raise ValueError("a captured step draws masks from the generator it was captured with: "
                              "pass runner.generator (re-seed it with manual_seed) instead of a new one")
@@ -67,10 +69,9 @@ class StepGraph:
         self.inputs.y_sup.copy_(batch.y_sup, non_blocking=True)
         # float32 on the host rounds as a fill would; pinned, the copy is asynchronous, and PyTorch's pinned-memory
         # cache keeps the block until the copy has run
-        values = torch.tensor([lr, alpha, ema_weight(alpha)], dtype=torch.float32, pin_memory=True)
+        values = torch.tensor([lr, alpha], dtype=torch.float32, pin_memory=True)
         self.scalars.copy_(values, non_blocking=True)
         self.graph.replay()
-        r.count += 1
 
     def release(self) -> None:
         """Frees the captured graph (a later step captures again). A data-parallel worker calls it before its NCCL
@@ -81,40 +82,17 @@ class StepGraph:
             self.graph.reset()
             self.graph = None
 
-    def _body(self, r: Any, gen: torch.Generator) -> None:
-        loss, stats = r.losses(self.inputs, gen)
-        parts = r.update_parts
-        with backward_on_side(r.wgrad_stream, r.device):   # weight gradients on their own stream, joined at the end
-            loss.backward()
-            # before the join, what the main stream's gradients update (trainables.fast.split_update)
-            if parts is not None:
-                self._update(r, parts[0])
-        if parts is None:
-            if r.grad_sync is not None:   # a data-parallel worker's all-reduce, captured with the step
-                r.grad_sync(r.student)
-            r.optimizer.step()
-            r.ema(r.pairs, self.alpha, self.weight)
-        else:
-            self._update(r, parts[1])
-        r.add_stats(stats)
-
-    def _update(self, r: Any, part: UpdatePart) -> None:
-        sgd_part_(r.optimizer, part)
-        r.ema(part.pairs, self.alpha, self.weight)
-
-    def _capture(self, r: Any, batch: Batch, gen: torch.Generator) -> None:
+    def _capture(self, body: Body, r: Any, batch: Batch, gen: torch.Generator) -> None:
         self.images = torch.stack(_images(batch))
         views = self.images.unbind()
         self.inputs = Batch(views[0], batch.y_sup.clone(), views[1], views[-1])
-        for group in r.optimizer.param_groups:
-            group["lr"] = self.lr            # fused SGD reads a device scalar: no host value baked in
         saved = _snapshot(r, gen)
         side = shared_stream(r.device, "warm-up")
         side.wait_stream(torch.cuda.current_stream(r.device))
+        # the body sets the optimiser's learning rate to the device scalar: fused SGD reads it, no host value baked in
         with torch.cuda.stream(side):
             for _ in range(WARMUP_PASSES):
-                r.optimizer.zero_grad(set_to_none=True)
-                self._body(r, gen)
+                body(self.inputs, gen, self.lr, self.alpha)
         torch.cuda.current_stream(r.device).wait_stream(side)
         r.optimizer.zero_grad(set_to_none=True)   # backward inside the graph writes the gradients afresh
         graph = torch.cuda.CUDAGraph()
@@ -123,7 +101,7 @@ class StepGraph:
         stream = shared_stream(r.device, "capture", HIGH_PRIORITY) if self.priority else None
         # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-            self._body(r, gen)
+            body(self.inputs, gen, self.lr, self.alpha)
         _restore(r, gen, saved)
         self.graph = graph
 

@@ -4,24 +4,28 @@ The core (``trainables.step``, ``trainables.trainer``) imports from ``trainables
 
 * ``prepare_student(student, cfg, device)``: the student's convolutions switched to our Triton kernels and to the
   weight-gradient stream, where ``train.conv_kernels`` and ``train.wgrad_stream`` ask for them;
-* ``speed_up(runner)``: a ``StepRunner`` built as the plain step (eager, one call each, nothing on other streams)
-  given what ``train`` asks for: compiled models, masks, losses and EMA, the teacher on its own CUDA stream, the
-  whole step as one CUDA graph, the update in two parts around the weight-gradient stream's join;
-* ``first_step_lock(runner, batch)``: the machine's first-compile lock around a runner's first step;
+* ``FastStep(train_step, runner)``: the plain step, ``trainables.step.train_step``, made fast as ``train`` asks:
+  that same function called with other kernels (compiled models, masks, losses and EMA, the teacher on its own CUDA
+  stream, the update in two parts around the weight-gradient stream's join) and its numbers as device tensors, or
+  the whole of it captured in one CUDA graph and replayed (``step_graph``). The runner takes it as ``fast`` and
+  calls it in place of the plain step; nothing here sets anything on the runner;
+* ``FastStep.first_step_lock``: the machine's first-compile lock around a runner's first step;
 * ``backward_on_side``, ``gpu_identity``, ``gpu_turn``: the weight-gradient stream around a backward pass, and the
   turns that trials packed on one GPU take.
 
-With ``train.fast`` false the config leaves all of it off (``trainables.config.PLAIN_TRAIN``) and the runner does
-not call ``speed_up``: the step is the plain specification. None of it changes what a step computes; the tests
-compare the two.
+With ``train.fast`` false the config leaves all of it off (``trainables.config.PLAIN_TRAIN``) and the trainer does
+not hand the runner a ``FastStep``: the step is the plain specification. None of it changes what a step computes;
+the tests compare the two. ``train_step`` comes in as an argument: ``fast`` does not import the core.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from trainables.fast.compile_lock import first_compile_lock, operators_version, step_key
 from trainables.fast.compile_options import (GRAPH_SWITCH_OWNERS, allow_custom_functions_in_compile_cache,
@@ -30,24 +34,26 @@ from trainables.fast.compile_options import (GRAPH_SWITCH_OWNERS, allow_custom_f
 from trainables.fast.cuda_streams import shared_stream
 from trainables.fast.fast_conv import apply_conv_kernels
 from trainables.fast.gpu_turns import gpu_identity, gpu_turn
-from trainables.fast.split_update import split_update
+from trainables.fast.split_update import UpdatePart, sgd_part_, split_update
 from trainables.fast.step_graph import StepGraph
 from trainables.fast.stored_grad import register_lowering as register_store_lowering
 from trainables.fast.wgrad_stream import apply_wgrad_stream, backward_on_side, side_stream_wanted
+from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight, teacher_logits
+from trainables.ssl.masks import device_constants
 
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["Switches", "backward_on_side", "compile_key", "first_step_lock", "gpu_identity", "gpu_turn",
-           "prepare_student", "speed_up"]
+__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student"]
 
 
 class Switches:
-    """Process-wide switches of the fast path, for A/B timings (``benchmarks/step_ab.py``); read by ``speed_up``."""
+    """Process-wide switches of the fast path, for A/B timings (``benchmarks/step_ab.py``); read by ``FastStep``."""
     compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls)
     update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: one)
+    teacher_stream = True   # the teacher on its own CUDA stream where it can be (off: on the step's stream)
     # Inductor options applied last, over the trainer's own, to the student and teacher of each runner built while it
     # is set (and so in their compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it
     extra_inductor_options: dict[str, object] = {}
@@ -60,69 +66,161 @@ def prepare_student(student: nn.Module, cfg: TrainConfig, device: torch.device) 
     apply_wgrad_stream(student, cfg.train.wgrad_stream, cfg.train.cuda_graph, device)   # the other convolutions
 
 
-def speed_up(r: StepRunner) -> None:
-    """Give the plain runner ``r`` the fast path's parts that ``r.cfg.train`` asks for on ``r.device``."""
-    cfg, device = r.cfg, r.device
-    compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
-    mode = cfg.train.compile_mode if device.type == "cuda" else "default"
-    if r.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
-        mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
-    r.compiled = compiled
-    r.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
-    # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
-    # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
-    # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
-    # Weight gradients on a side stream (trainables.fast.wgrad_stream): the student's compiled backward must then
-    # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
-    # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
-    # later in the process reuse code compiled before it, under the other setting)
-    r.wgrad_stream = side_stream_wanted(cfg.train.wgrad_stream, r.cuda_graph, compiled,
-                                        r.stacked_bns is not None, r.student)
-    if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
-        # and past the limit Dynamo would quietly run the model eagerly
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # Inductor stores a pointwise result that two kernels read once it reads more than 4 buffers: the
-        # ReLU-masked gradient in bn_relu's backward reads 4-8, and recomputing it inside both backward
-        # kernels is one pass less per layer (WRN-28-2 CowMix, H100: 132.5 -> 139.4 steps/s with bn_relu)
-        import torch._inductor.config as inductor
-        inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
-        allow_custom_functions_in_compile_cache()
-        register_store_lowering()
-    combo = combo_kernels_wanted(cfg)
-    pdl = dependent_launch_wanted(cfg)
-    r.inductor_options = {name: inductor_options(mode, device, combo, name == "student" and r.wgrad_stream, pdl)
-                          for name in ("student", "teacher")} if compiled else {}
-    reads = realize_reads_wanted(cfg)
-    if reads is not None:
-        for options in r.inductor_options.values():
-            options["realize_reads_threshold"] = reads
-    r.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
-    if r.tuned:
-        for options in r.inductor_options.values():
-            options["coordinate_descent_tuning"] = True
-    for options in r.inductor_options.values():
-        options.update(Switches.extra_inductor_options)
-    if compiled:
-        r.student_forward = torch.compile(r.student, dynamic=False, options=r.inductor_options["student"])
-        r.teacher_forward = torch.compile(r.teacher, dynamic=False, options=r.inductor_options["teacher"])
-    glue = compiled and cfg.train.compile_masks_and_losses
-    if glue:
-        r.student_inputs = torch.compile(r.student_inputs, dynamic=False)   # the plain step's functions
-        r.loss_terms = torch.compile(r.loss_terms, dynamic=False)
-    # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
-    # the step; compiled, one pass (alpha and 1 - alpha as device scalars, so one compilation for every alpha)
-    r.ema_compiled = glue and Switches.compile_ema
-    if r.ema_compiled:
-        r.ema = torch.compile(r.ema, dynamic=False)
-    # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
-    # masks and the student's forward, and the main stream waits for it before the losses.
-    # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
-    r.teacher_stream = shared_stream(device, "teacher") if device.type == "cuda" and not r.graphs else None
-    r.step_graph = StepGraph(device) if r.cuda_graph == "step" else None
-    # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
-    r.update_parts = split_update(r.optimizer, r.pairs, r.student) \
-        if Switches.update_in_parts and r.wgrad_stream and r.step_graph is not None and r.grad_sync is None \
-        else None   # (an all-reduce needs every gradient before any update)
+class FastStep:
+    """``train_step`` made fast for the runner ``r`` as ``r.cfg.train`` asks on ``r.device``; called as
+    ``fast(r, batch, gen, lr, alpha)`` in place of the plain step. It keeps no reference to the runner (nor do its
+    kernels), so a dropped runner frees its captured graph's memory at once."""
+
+    def __init__(self, train_step: Callable[..., None], r: StepRunner):
+        cfg, device = r.cfg, r.device
+        self.train_step = train_step
+        compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
+        mode = cfg.train.compile_mode if device.type == "cuda" else "default"
+        if r.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
+            mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+        self.compiled = compiled
+        self.graphs = compiled and mode in ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
+        # Static shapes: the student and teacher share one forward, so the teacher's call (one batch) and the
+        # student's stacked call (two or three) would otherwise make Dynamo recompile with a symbolic batch
+        # size, and Inductor cannot split the batch-norm reductions of a symbolic size (2x slower on an H100).
+        # Weight gradients on a side stream (trainables.fast.wgrad_stream): the student's compiled backward must then
+        # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
+        # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
+        # later in the process reuse code compiled before it, under the other setting)
+        self.wgrad_stream = side_stream_wanted(cfg.train.wgrad_stream, r.cuda_graph, compiled,
+                                               r.stacked_bns is not None, r.student)
+        if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
+            # and past the limit Dynamo would quietly run the model eagerly
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # Inductor stores a pointwise result that two kernels read once it reads more than 4 buffers: the
+            # ReLU-masked gradient in bn_relu's backward reads 4-8, and recomputing it inside both backward
+            # kernels is one pass less per layer (WRN-28-2 CowMix, H100: 132.5 -> 139.4 steps/s with bn_relu)
+            import torch._inductor.config as inductor
+            inductor.realize_reads_threshold = max(inductor.realize_reads_threshold, 8)
+            allow_custom_functions_in_compile_cache()
+            register_store_lowering()
+        self.inductor_options = self._inductor_options(cfg, device, mode) if compiled else {}
+        self.tuned = compiled and device.type == "cuda" and tune_kernels_wanted(cfg)
+        student, teacher = r.student, r.teacher
+        if compiled:
+            student = torch.compile(r.student, dynamic=False, options=self.inductor_options["student"])
+            teacher = torch.compile(r.teacher, dynamic=False, options=self.inductor_options["teacher"])
+        self.student_forward, self.teacher_forward = student, teacher
+        plain = r.kernels
+        glue = compiled and cfg.train.compile_masks_and_losses
+        student_inputs = torch.compile(plain.student_inputs, dynamic=False) if glue else plain.student_inputs
+        loss_terms = torch.compile(plain.loss_terms, dynamic=False) if glue else plain.loss_terms
+        # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
+        # the step; compiled, one pass (alpha and 1 - alpha as device scalars, so one compilation for every alpha)
+        self.ema_compiled = glue and Switches.compile_ema
+        ema = torch.compile(ema_update_, dynamic=False) if self.ema_compiled else ema_update_
+        # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
+        # masks and the student's forward, and the main stream waits for it before the losses.
+        # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
+        self.teacher_stream = shared_stream(device, "teacher") \
+            if device.type == "cuda" and not self.graphs and Switches.teacher_stream else None
+        self.step_graph = StepGraph(device) if r.cuda_graph == "step" else None
+        # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
+        self.update_parts = split_update(r.optimizer, r.pairs, r.student) \
+            if Switches.update_in_parts and self.wgrad_stream and self.step_graph is not None and r.grad_sync is None \
+            else None   # (an all-reduce needs every gradient before any update)
+        teacher_kernel = functools.partial(teacher_logits, teacher, r.autocast, r.memory_format)
+        if self.teacher_stream is not None:
+            teacher_kernel = functools.partial(_on_stream, self.teacher_stream, device, teacher_kernel)
+            loss_terms = functools.partial(_after_stream, self.teacher_stream, device, loss_terms)
+        if self.update_parts is not None:
+            early, late = self.update_parts
+            backward = functools.partial(_backward_then_part, self.wgrad_stream, device, r.optimizer, early, ema,
+                                         self.step_graph.alpha)
+            update = functools.partial(_update_part, late, ema)
+        else:
+            backward = functools.partial(_backward, device) if self.wgrad_stream else plain.backward
+            update = functools.partial(_update, ema, device) if self.ema_compiled else plain.update
+        self.kernels = dataclasses.replace(plain, student=student, teacher=teacher_kernel, student_inputs=student_inputs,
+                                           loss_terms=loss_terms, backward=backward, update=update)
+        # omega and psi as 0-d views of one device tensor: compiled code and a captured graph read the tensor, so
+        # one compilation and one capture serve every trial's numbers (a CUDA graph could not copy them in)
+        self.numbers = r.numbers._make(device_constants(tuple(r.numbers), device).unbind())
+
+    def _inductor_options(self, cfg: TrainConfig, device: torch.device, mode: str) -> dict[str, dict[str, object]]:
+        combo, pdl, reads = combo_kernels_wanted(cfg), dependent_launch_wanted(cfg), realize_reads_wanted(cfg)
+        out = {name: inductor_options(mode, device, combo, name == "student" and self.wgrad_stream, pdl)
+               for name in ("student", "teacher")}
+        for options in out.values():
+            if reads is not None:
+                options["realize_reads_threshold"] = reads
+            if device.type == "cuda" and tune_kernels_wanted(cfg):
+                options["coordinate_descent_tuning"] = True
+            options.update(Switches.extra_inductor_options)
+        return out
+
+    def __call__(self, r: StepRunner, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
+        step = functools.partial(self.train_step, r, self.kernels, numbers=self.numbers)
+        if self.step_graph is not None:
+            return self.step_graph.step(step, r, batch, gen, lr, alpha)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # outputs of the last step's graphs may be reused
+        step(batch, gen, lr, alpha)
+
+    def first_step_lock(self, r: StepRunner, batch: Batch) -> contextlib.AbstractContextManager[dict[str, float]]:
+        """Around the runner's first step, which compiles: on CUDA the machine's first-compile lock, so that of
+        trials packed on one GPU the first compiles alone and the others then load the kernels it cached
+        (``trainables.fast.compile_lock``). Yields ``{"waited_s": ...}``."""
+        return first_compile_lock(compile_key(r, batch), compile_locked(r))
+
+    def release(self) -> None:
+        """Frees the whole-step CUDA graph, if captured (``StepGraph.release``)."""
+        if self.step_graph is not None:
+            self.step_graph.release()
+
+
+def _on_stream(stream: torch.cuda.Stream, device: torch.device, teacher: Callable[[Tensor], Tensor],
+               x: Tensor) -> Tensor:
+    """``teacher(x)`` launched on ``stream``: the caller's stream must wait for it before it reads the result."""
+    # The teacher stream starts after all work queued so far (this step's batch, the last EMA update) and
+    # allocates only here: a block it frees is reused by it after its next wait, when the main stream's
+    # reads of the last step's logits are queued before that point.
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        return teacher(x)
+
+
+def _after_stream(stream: torch.cuda.Stream, device: torch.device, loss_terms: Callable[..., Any],
+                  logits: list[Tensor], teacher_logits: Tensor | None, *args: Any) -> Any:
+    """``loss_terms`` once the current stream has waited for the teacher's logits on ``stream``."""
+    if teacher_logits is not None:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return loss_terms(logits, teacher_logits, *args)
+
+
+def _backward(device: torch.device, loss: Tensor) -> None:
+    with backward_on_side(True, device):   # weight gradients on their own stream, joined when it ends
+        loss.backward()
+
+
+def _update(ema: Callable[..., None], device: torch.device, optimizer: torch.optim.Optimizer, pairs: EmaPairs,
+            alpha: float | Tensor) -> None:
+    """SGD, then ``ema`` with alpha and 1 - alpha as device scalars (compiled: one compilation for every alpha)."""
+    optimizer.step()
+    alpha = alpha if isinstance(alpha, Tensor) else torch.full((), alpha, device=device)
+    ema(pairs, alpha, ema_weight(alpha))
+
+
+def _backward_then_part(wgrad_stream: bool, device: torch.device, optimizer: torch.optim.SGD, early: UpdatePart,
+                        ema: Callable[..., None], alpha: Tensor, loss: Tensor) -> None:
+    """The backward pass and, before the weight-gradient stream's join, the update of what the main stream's
+    gradients update (``trainables.fast.split_update``; in a captured step, whose alpha is the device scalar
+    ``alpha``)."""
+    with backward_on_side(wgrad_stream, device):
+        loss.backward()
+        _update_part(early, ema, optimizer, None, alpha)
+
+
+def _update_part(part: UpdatePart, ema: Callable[..., None], optimizer: torch.optim.SGD, pairs: EmaPairs | None,
+                 alpha: Tensor) -> None:
+    """SGD and the EMA of ``part`` alone (``pairs``, the whole step's, is covered by the two parts together)."""
+    sgd_part_(optimizer, part)
+    ema(part.pairs, alpha, ema_weight(alpha))
 
 
 def compile_locked(r: StepRunner) -> bool:
@@ -134,22 +232,13 @@ def compile_locked(r: StepRunner) -> bool:
 
 def compile_key(r: StepRunner, batch: Batch) -> str:
     """What the runner's compiled graphs depend on, as the first-compile lock names it."""
-    cfg = r.cfg
+    cfg, fast = r.cfg, r.fast
     return step_key(torch.__version__, operators_version(),
                     torch.cuda.get_device_name(r.device) if compile_locked(r) else "",
                     cfg.method, [(n, tuple(p.shape)) for n, p in r.student.named_parameters()],
                     [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
                     cfg.train.compile_mode, r.cuda_graph, cfg.train.stack_student_calls, cfg.train.bn_batch,
-                    r.memory_format, r.bf16, cfg.train.conv_kernels, r.wgrad_stream,
-                    cfg.train.compile_masks_and_losses, r.ema_compiled, r.update_parts is not None,
-                    sorted(r.inductor_options.get("student", {}).items()),
+                    r.memory_format, r.bf16, cfg.train.conv_kernels, fast.wgrad_stream,
+                    cfg.train.compile_masks_and_losses, fast.ema_compiled, fast.update_parts is not None,
+                    sorted(fast.inductor_options.get("student", {}).items()),
                     [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])
-
-
-@contextlib.contextmanager
-def first_step_lock(r: StepRunner, batch: Batch) -> Iterator[dict[str, float]]:
-    """Around the runner's first step, which compiles: on CUDA the machine's first-compile lock, so that of trials
-    packed on one GPU the first compiles alone and the others then load the kernels it cached
-    (``trainables.fast.compile_lock``). Yields ``{"waited_s": ...}``."""
-    with first_compile_lock(compile_key(r, batch), compile_locked(r)) as lock:
-        yield lock

@@ -8,6 +8,7 @@ copied. The teacher is a separate module, kept in eval mode, never swapped into 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import struct
 from typing import Callable
@@ -22,6 +23,15 @@ def make_teacher(student: nn.Module) -> nn.Module:
     teacher.eval()
     teacher.requires_grad_(False)
     return teacher
+
+
+def teacher_logits(teacher: Callable[[torch.Tensor], torch.Tensor], autocast: contextlib.AbstractContextManager,
+                   memory_format: torch.memory_format, x: torch.Tensor) -> torch.Tensor:
+    """stop_gradient(g_phi(x)): the teacher's logits on ``x`` (in ``memory_format``, under ``autocast``), without
+    gradient and in float32 or wider. The teacher is always in eval mode."""
+    with torch.no_grad(), autocast:
+        logits = teacher(x.contiguous(memory_format=memory_format))
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
 class EmaPairs:
