@@ -805,3 +805,22 @@ def test_a_config_error_in_a_trial_is_said_once_and_not_trained_again(search_env
     errors = list((tmp_path / "ray").glob("cfgerr/*/error.txt"))
     failures = [line for line in errors[0].read_text().splitlines() if line.startswith("Failure # ")]
     assert len(errors) == 1 and len(failures) == 2, failures   # not 3: the retry stopped at once, and was the last
+
+
+@pytest.mark.slow
+def test_a_search_whose_storage_fills_up_ends_in_one_line_naming_it(tmp_path):
+    """A search whose --storage is a 3 MiB disk (a tmpfs in a namespace of its own, local Ray): the first trial's
+    checkpoints fit, the second's do not. Ray's own errors of it aside, the driver's last line says that the storage
+    filled up and how to resume, exit status 1; not a traceback of Ray's truncated error file."""
+    if not full_disk_cases_can_run():
+        pytest.skip("no user and mount namespace here (unshare -rm) to mount a tmpfs in")
+    (tmp_path / "full").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "COWTUNE_STORAGE")}
+    env.update(COWTUNE_CACHE=str(tmp_path / CACHE), PYTHONUNBUFFERED="1")
+    r = on_a_tmpfs(tmp_path / "full", "3m", [sys.executable, str(SCRIPT), "--smoke-test", "--trials", "2", "--no-confirm",
+                                              "--no-compile-ahead", "--name", "fills", "--storage", "full/ray"],
+                   cwd=tmp_path, env=env, timeout=400)
+    last = r.stderr.splitlines()[-1]
+    assert r.returncode == 1 and last == (f"fills: error: --storage {tmp_path / 'full' / 'ray'} filled up (No space "
+                                          "left on device): free space there and run the same command to resume"), last
+    assert "UnpicklingError" not in r.stderr and "No space left on device" in r.stdout   # the table named it too

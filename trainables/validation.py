@@ -6,6 +6,7 @@ Two error templates, used everywhere: "<field> must <rule>, got <value>" for val
 from __future__ import annotations
 
 import contextlib
+import errno
 import dataclasses
 import math
 import os
@@ -199,6 +200,16 @@ def _probe(folder: Path) -> None:
         f.write(b"\0" * PROBE_BYTES)
         f.flush()
         os.fsync(f.fileno())
+
+
+def disk_full(folder: str | os.PathLike) -> str | None:
+    """The kernel's reason ("No space left on device", a quota) when ``folder`` cannot take PROBE_BYTES more, else
+    None: what a job that failed while writing there asks before it says why."""
+    try:
+        _probe(Path(folder))
+    except OSError as exc:
+        return exc.strerror if exc.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    return None
 
 
 def writable_file(path: str | os.PathLike, field: str) -> Path:

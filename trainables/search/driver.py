@@ -33,7 +33,7 @@ from trainables.search.job_settings import check_resumable, check_tracking_serve
 from trainables.search.settings import (HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args,
                                        prepare_search)
 from trainables.search.tune_trainable import META, train_trial, trial_resources
-from trainables.validation import ConfigError
+from trainables.validation import ConfigError, disk_full
 
 __all__ = ["Confirm", "HOLDOUT", "SearchSettings", "run_search"]
 
@@ -75,6 +75,9 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
             raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on"
                              " the trials' nodes: when it answers, run `cowtune upload` there (no summary recorded)") from None
         tracking.finish_run(uri, parent_id, "FAILED")
+        if "://" not in plan.storage and (full := disk_full(plan.storage)) is not None:   # Ray's errors said it
+            raise SystemExit(f"{plan.name}: error: --storage {plan.storage} filled up ({full}): free space there and "
+                             "run the same command to resume") from None
         raise
 
 
