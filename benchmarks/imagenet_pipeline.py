@@ -139,8 +139,11 @@ def case_config(model: str, case: str, tree: Path, n_labeled: int, args: argpars
     return load_config("imagenet_cowmix", sets + ([] if args.compile else EAGER) + args.set)
 
 
-def time_steps(runner, batches, warmup: int, steps: int, device) -> float:
-    """Seconds per step after ``warmup`` untimed ones (cuDNN's tuning, the loader's workers starting)."""
+def time_steps(runner, batches, warmup: int, steps: int, seconds: float, device) -> tuple[float, int]:
+    """(Seconds per step, steps timed) after ``warmup`` untimed steps (cuDNN's tuning, the loader's workers
+    starting): at least ``steps`` steps and ``seconds`` of them. A window of many seconds matters for the PIL
+    workers: each delivers a whole batch at a time, all of them at about the same time at first, and their
+    prefetched batches would otherwise make a short window look faster than the workers are."""
     import torch
 
     def sync() -> None:
@@ -152,11 +155,15 @@ def time_steps(runner, batches, warmup: int, steps: int, device) -> float:
         runner.step(next(it), gen, 0.16, 0.999)
     sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        runner.step(next(it), gen, 0.16, 0.999)
+    done = 0
+    for batch in it:
+        runner.step(batch, gen, 0.16, 0.999)
+        done += 1
+        if done >= steps and time.perf_counter() - t0 >= seconds:
+            break
     runner.read_metrics()   # the trainer's one sync per epoch
     sync()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / done, done
 
 
 def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.Namespace) -> dict:
@@ -170,15 +177,15 @@ def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.N
     cold = evict(tree) if case != "predecoded" and not args.warm_cache else False
     data = prepare_data(cfg.data, cfg.labeled_seed, device, compiled=cfg.train.compile)
     runner = build_runner(cfg, data.num_classes, device)
-    total = args.warmup + args.steps
+    total = args.warmup + max(args.steps, 3000)   # more than a window takes: produced lazily, closed after it
     batches = data.train_batches(0, cfg.seed, cfg.train.batch_size, total, False)
     if case == "predecoded":   # a few distinct batches on the device, replayed: no input work in the timed steps
-        first = [next(batches) for _ in range(min(total, args.replayed))]
+        first = [next(batches) for _ in range(args.replayed)]
         batches.close()
         batches = (first[i % len(first)] for i in range(total))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sec = time_steps(runner, batches, args.warmup, args.steps, device)
+    sec, timed = time_steps(runner, batches, args.warmup, args.steps, args.seconds, device)
     if hasattr(batches, "close"):
         batches.close()
     row = {"case": case, "model": model, "method": cfg.method, "batch": cfg.train.batch_size,
@@ -186,7 +193,7 @@ def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.N
            "images_per_s": round(2 * cfg.train.batch_size / sec, 1), "image_size": data.image_size,
            "workers": args.workers if case == "pil" else 0, "read_threads": getattr(data, "threads", 0),
            "cold_cache": cold, "compile": bool(runner.compiled), "precision": "bf16" if runner.bf16 else "fp32",
-           "warmup": args.warmup, "steps": args.steps, "pipeline": data.describe()}
+           "warmup": args.warmup, "steps": timed, "seconds": round(sec * timed, 2), "pipeline": data.describe()}
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
     del runner, data, batches
@@ -274,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="DataLoader workers (pil) / read threads")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per case")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per case, at least")
+    p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per case, at least")
     p.add_argument("--replayed", type=int, default=4, help="predecoded: distinct batches replayed")
     p.add_argument("--world", help="data-parallel scaling on these GPU counts, e.g. 1,2,4,8 (device pipeline)")
     p.add_argument("--compile", action="store_true", help="the trainer's whole fast path (torch.compile: minutes)")
@@ -288,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.device, args.models, args.batch = "cpu", "cnn_tiny", 4
-        args.classes, args.per_class, args.val_per_class, args.warmup, args.steps = 4, 6, 2, 2, 2
+        args.classes, args.per_class, args.val_per_class, args.warmup, args.steps, args.seconds = 4, 6, 2, 2, 2, 0
         args.workers, args.replayed, args.image_size = min(2, args.workers or 1), 2, 32
         args.tree = str(Path(args.out or "/tmp") / "smoke-tree")
     tree, t0 = Path(args.tree), time.monotonic()
