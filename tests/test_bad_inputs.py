@@ -223,6 +223,13 @@ def checkpoint(t: Ctx, root: str = "gone", weights: bool = False) -> str:
     return str(t.tmp / "run")
 
 
+def a_torch_file(t: Ctx, obj) -> Path:
+    import torch
+    (t.tmp / "other").mkdir()
+    torch.save(obj, t.tmp / "other" / "checkpoint.pt")
+    return t.tmp / "other" / "checkpoint.pt"
+
+
 def scored(make: Callable[[Ctx], Path]) -> Callable[[Ctx], list[str]]:
     return lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(make(t)), "--device", "cpu"]
 
@@ -295,6 +302,32 @@ def invoke_on_a_full_disk(case: Case, argv: list[str], tmp: Path, capsys) -> int
     sys.stdout.write(out)
     sys.stderr.write(r.stderr)
     return r.returncode
+
+
+def a_run_folder_holding(write: Callable[[Path], None]) -> Callable[[Ctx], list[str]]:
+    """`cowtune train` resuming from run/checkpoint.pt, which ``write`` makes (no checkpoint.pt.prev beside it), in a
+    folder an earlier run left as runs leave them (its lock file stays)."""
+    def build(t: Ctx) -> list[str]:
+        from trainables.trainer import RUN_LOCK
+        (t.tmp / "run").mkdir()
+        (t.tmp / "run" / RUN_LOCK).touch()
+        write(t.tmp / "run" / "checkpoint.pt")
+        return digits()(t)
+    return build
+
+
+def cut_short(path: Path) -> None:
+    """A real checkpoint of digits' run (its config, weights, no steps), cut after 5,000 bytes as a crash mid-copy."""
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save({"epoch": 1, "student": {"w": torch.zeros(4096)}}, buf)
+    path.write_bytes(buf.getvalue()[:5000])
+
+
+def torch_file_of(obj) -> Callable[[Path], None]:
+    return lambda path: __import__("torch").save(obj, path)
 
 
 ONE_LINE_RANGE = "must satisfy 0.001 <= low <= high"
@@ -550,6 +583,120 @@ CASES = [
     Case("masks-out-under-a-file", "cowtune",
          lambda t: ["masks", "--out", str(t.write("notes", "x") / "g.png"), "--npy", "m.npy"],
          ("--out", "notes/g.png lies under the file", "give a path in a folder")),
+    # more inputs a new user tried (issue 54's "30 more of your own")
+    Case("train-batch-size-zero", "cowtune", digits("train.batch_size=0"), ("train.batch_size must be >= 2, got 0",)),
+    Case("train-lr-negative", "cowtune", digits("optim.lr_per_256=-0.1"), ("optim.lr_per_256 must be > 0, got -0.1",)),
+    Case("train-teacher-alpha-above-one", "cowtune", digits("teacher.alpha=1.5"),
+         ("teacher.alpha must be in [0, 1], got 1.5",)),
+    Case("train-mix-weight-negative", "cowtune", digits("mix.weight=-1"), ("mix.weight must be >= 0, got -1.0",)),
+    Case("train-prop-range-one-number", "cowtune", digits("mix.prop_range=0.2"),
+         ("mix.prop_range must be a list of 2 numbers (LO:HI in --set), got 0.2",)),
+    Case("train-sigma-range-one-item", "cowtune", digits("mix.sigma_range=[4]"),
+         ("mix.sigma_range must have 2 items, got [4]",)),
+    Case("train-sigma-range-not-numbers", "cowtune", digits("mix.sigma_range=a:b"),
+         ("mix.sigma_range must be a list of 2 numbers (LO:HI in --set), got 'a:b'",)),
+    Case("train-n-val-negative", "cowtune", digits("data.n_val=-3"), ("data.n_val must be >= 0, got -3",)),
+    Case("train-n-labeled-zero", "cowtune", digits("data.n_labeled=0"),
+         ("data.n_labeled must be >= 1 or -1 (all), got 0",)),
+    Case("train-epochs-a-fraction", "cowtune", digits("train.epochs=2.5"), ("train.epochs must be an integer, got 2.5",)),
+    Case("train-epochs-a-boolean", "cowtune", digits("train.epochs=true"),
+         ("train.epochs must be an integer, got True",)),
+    Case("train-model-empty", "cowtune", digits("model="), ("model must be a string, got None",)),
+    Case("train-seed-a-float", "cowtune", digits("seed=1e20"), ("seed must be an integer, got 1e+20",)),
+    Case("train-unknown-pipeline", "cowtune", digits("data.pipeline=gpu"),
+         ("data.pipeline must be 'auto', 'device' or 'loader', got 'gpu'",)),
+    Case("train-unknown-device", "cowtune", digits("train.device=tpu"),
+         ("train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'",)),
+    Case("train-unknown-precision", "cowtune", digits("train.precision=fp8"),
+         ("train.precision must be 'auto', 'fp32' or 'bf16', got 'fp8'",)),
+    Case("train-dataset-empty", "cowtune", digits("data.dataset="), ("data.dataset must be a string, got None",)),
+    Case("train-erasure-regularizer-as-mix", "cowtune", digits("mix.name=cowout"),
+         ("mix.name must name a mixing regularizer, got 'cowout'",)),
+    Case("train-unknown-unreadable-policy", "cowtune", digits("data.unreadable=ignore"),
+         ("data.unreadable must be 'stop' or 'skip', got 'ignore'",)),
+    Case("train-confidence-above-one", "cowtune", digits("mix.conf_thresh=2"), ("mix.conf_thresh must be < 1, got 2.0",)),
+    Case("train-steps-per-epoch-negative", "cowtune", digits("train.steps_per_epoch=-1"),
+         ("train.steps_per_epoch must be >= 1 or null, got -1",)),
+    Case("train-loader-workers-negative", "cowtune", digits("data.workers=-2"), ("data.workers must be >= 0, got -2",)),
+    Case("train-image-size-zero", "cowtune", digits("data.image_size=0"),
+         ("data.image_size must be >= 8 or null, got 0",)),
+    Case("train-yaml-section-not-a-mapping", "cowtune", config_file("model: cnn_tiny\ntrain: 3\n"),
+         ("train must be a mapping, got 3",)),
+    Case("train-yaml-tab-indented", "cowtune", config_file("model: cnn_tiny\ntrain:\n\tepochs: 3\n"),
+         ("my.yaml is not valid YAML: while scanning for the next token, found character '\\t' that cannot start any "
+          "token (line 3, column 1)",)),
+    Case("train-yaml-sigma-range-inverted", "cowtune",
+         config_file("mix: {name: cowmix, sigma_range: [16, 4]}\n", *sets("data.dataset=digits")),
+         (f"mix.sigma_range {ONE_LINE_RANGE}, got (16.0, 4.0)",)),
+    Case("train-resume-from-a-checkpoint-cut-short", "cowtune", a_run_folder_holding(cut_short),
+         ("run/checkpoint.pt cannot be read (cut short (Invalid argument)) and there is no previous checkpoint to go "
+          "back to; pass --restart to start over",)),
+    Case("train-resume-from-a-torch-file-not-a-checkpoint", "cowtune", a_run_folder_holding(torch_file_of([1, 2, 3])),
+         ("run/checkpoint.pt is not a checkpoint written by cowtune (a PyTorch file holding a list); move it away, or "
+          "pass --restart to start over",)),
+    Case("search-concurrency-zero", "search", search("--concurrency", "0"),
+         ("--concurrency must be >= 1 (leave it out for as many as the resources allow), got 0",)),
+    Case("search-name-empty", "search", search("--name", ""),
+         ("--name must be one word of letters, digits, '.', '_' or '-' (it names a folder and an MLflow experiment), "
+          "got ''",)),
+    Case("search-name-with-a-slash", "search", search("--name", "team/exp1"), ("--name must be one word", "'team/exp1'")),
+    Case("search-name-escaping-the-storage", "search", search("--name", "../escape"),
+         ("--name must be one word", "'../escape'")),
+    Case("search-storage-empty", "search", lambda t: ["--smoke-test", "--storage", ""],
+         ("--storage must name a folder or a URI (leave it out for ./ray_results), got ''",)),
+    Case("search-cpus-per-trial-zero", "search", search("--cpus-per-trial", "0"), ("--cpus-per-trial must be >= 1, got 0",)),
+    Case("search-gpu-share-above-one", "search", search("--gpu-share", "3"), ("--gpu-share must be in (0, 1], got 3.0",)),
+    Case("search-no-finalists", "search", search("--finalists", "0"), ("--finalists must be >= 1, got 0",)),
+    Case("search-unknown-key", "search", search(*sets("train.epoch=3")),
+         ("Unknown key in train 'epoch'.", "Did you mean 'epochs'?")),
+    Case("search-config-file-missing", "search", lambda t: ["--preset", "nowhere.yaml", "--storage", "ray"],
+         ("config file nowhere.yaml does not exist",)),
+    Case("search-erasure-regularizer-as-mix", "search", search(*sets("mix.name=cowout")),
+         ("mix.name must name a mixing regularizer, got 'cowout'",)),
+    Case("final-seeds-negative", "cowtune", final("--datasets", "cifar10=data", "--seeds", "-1"),
+         ("--seeds must be >= 1, got -1",)),
+    Case("final-no-labels", "cowtune", final("--datasets", "cifar10=data", "--labels", "0"),
+         ("data.n_labeled must be >= 1 or -1 (all), got 0",)),
+    Case("final-labels-not-numbers", "cowtune", final("--datasets", "cifar10=data", "--labels", "abc"),
+         ("argument --labels: expected comma-separated label counts (or 'all'), got 'abc'",), usage=True),
+    Case("final-dataset-without-a-folder", "cowtune", final("--datasets", "cifar10="),
+         ("argument --datasets: expected NAME=DIR[,NAME=DIR...], got 'cifar10='",), usage=True),
+    Case("final-unknown-key", "cowtune", final("--datasets", "cifar10=data", "--set", "train.epoch=3"),
+         ("Unknown key in train 'epoch'.", "Did you mean 'epochs'?")),
+    Case("final-name-with-a-slash", "cowtune", final("--datasets", "cifar10=data", "--name", "a/b"),
+         ("--name must be one word", "got 'a/b'")),
+    Case("masks-p-inverted", "cowtune", lambda t: ["masks", "--p", "0.9:0.1", "--out", "g.png"],
+         ("--p must satisfy 0.0 <= low <= high <= 1.0, got (0.9, 0.1)",)),
+    Case("masks-p-above-one", "cowtune", lambda t: ["masks", "--p", "0:2", "--out", "g.png"],
+         ("--p must satisfy 0.0 <= low <= high <= 1.0, got (0.0, 2.0)",)),
+    Case("masks-size-one", "cowtune", lambda t: ["masks", "--size", "1", "--out", "g.png"],
+         ("-n must be 1..1024 and --size 2..1024, got n=32, size=1",)),
+    Case("masks-none", "cowtune", lambda t: ["masks", "-n", "0", "--out", "g.png"],
+         ("-n must be 1..1024 and --size 2..1024, got n=0, size=32",)),
+    Case("masks-box-scale-above-one", "cowtune",
+         lambda t: ["masks", "--kind", "box", "--box-mode", "fixed", "--box-scale", "2", "--out", "g.png"],
+         ("--box-scale must be in [0, 1], got 2.0",)),
+    Case("masks-npy-under-a-file", "cowtune",
+         lambda t: ["masks", "--out", "g.png", "--npy", str(t.write("notes", "x") / "m.npy")],
+         ("--npy", "notes/m.npy lies under the file", "give a path in a folder")),
+    Case("masks-out-a-folder", "cowtune", lambda t: ["masks", "--out", str(t.tmp)], ("--out", "is a folder: give a file name")),
+    Case("evaluate-batch-size-zero", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--batch-size", "0"],
+         ("--batch-size must be >= 1, got 0",)),
+    Case("evaluate-json-under-a-file", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)),
+                    "--json", str(t.write("notes", "x") / "r.json")],
+         ("--json must be a file in an existing folder, got", "notes/r.json")),
+    Case("evaluate-data-an-image", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t) / "test" / "blue" / "000.png")],
+         ("--data must be a folder or .zip of class folders (or of train/ and test/)", "(neither a folder nor a .zip)")),
+    Case("evaluate-one-class-folder", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t) / "test" / "blue")],
+         ("--data must hold images in class folders (<class>/<image>, or test/<class>/<image>)",)),
+    Case("evaluate-checkpoint-without-weights", "cowtune",
+         lambda t: ["evaluate", "--checkpoint", str(a_torch_file(t, {"config": {}, "epoch": 1})),
+                    "--data", str(colour_tree(t))],
+         ("--checkpoint must be a checkpoint written by `cowtune train`", "(a PyTorch file without student, teacher)")),
     # every output on a full disk: refused before any work (a 64 KiB write probe; an empty file fits on a full disk)
     Case("train-out-on-a-full-disk", "cowtune", digits(out=f"{FULL}/run"),
          (f"--out {FULL}/run cannot be made (No space left on device)",), full_disk=True),

@@ -10,6 +10,7 @@ checkpoint that cannot be read as a file (truncated, say) is set aside and the p
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import zipfile
@@ -69,15 +70,31 @@ def write_failure(exc: BaseException) -> str:
     return cause.strerror if cause is not None else str(exc).splitlines()[0][:200]
 
 
+class CutShort(zipfile.BadZipFile):
+    """A checkpoint whose zip directory points past its end: PyTorch's reader seeks there (EINVAL)."""
+
+
 def _read(path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:   # cut short (a crash mid-copy): damaged, not a file that cannot be opened
+            raise CutShort(f"cut short ({exc.strerror})") from None
+        raise
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
             raise ConfigError(f"{path} holds objects other than tensors and plain data, so it was not written by "
                               "cowtune or was altered afterwards; it is refused unread (move it away, or pass "
                               "--restart to start over)") from None
         raise
+    return state
+
+
+def _checked(state: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(state, dict):   # read whole, but not ours: not damaged, not set aside
+        raise ConfigError(f"{path} is not a checkpoint written by cowtune (a PyTorch file holding a "
+                          f"{type(state).__name__}); move it away, or pass --restart to start over")
+    return state
 
 
 DAMAGED = (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError)
@@ -90,15 +107,18 @@ def load(path: Path, log: Callable[[str], None] = print) -> dict[str, Any] | Non
     if not path.exists():
         return None
     try:
-        return _read(path)
+        state = _read(path)
     except DAMAGED as exc:
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+        why = str(exc) if isinstance(exc, CutShort) else \
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+    else:
+        return _checked(state, path)
     prev = previous(path)
     if not prev.exists():
         raise ConfigError(f"{path} cannot be read ({why}) and there is no previous checkpoint to go back to; "
                           "pass --restart to start over")
     try:
-        state = _read(prev)
+        state = _checked(_read(prev), prev)
     except DAMAGED as exc:
         raise ConfigError(f"{path} cannot be read ({why}), nor can the previous one, {prev} "
                           f"({type(exc).__name__}); pass --restart to start over") from None

@@ -213,12 +213,16 @@ def prepare_search(base: Any, space: dict[str, Any], settings: SearchSettings, a
     check(trials >= 1, "--trials", "be >= 1", trials)
     epochs = cfg.train.epochs
     grace = settings.grace_period or grace_rule(cfg, space, epochs, settings.min_rung)
+    check(args.storage is None or args.storage.strip(), "--storage", "name a folder or a URI (leave it out for "
+          "./ray_results)", args.storage)
     storage = args.storage or os.environ.get("COWTUNE_STORAGE") or str(Path.cwd() / "ray_results")
     storage = storage if "://" in storage else str(writable_folder(storage, "--storage", create=False).resolve())
     seed = settings.seed if args.seed is None else args.seed
-    name = args.name or name
+    name = name if args.name is None else args.name   # --name '' is refused, not read as the default
     check_job_name(name)
     check(args.cpus_per_trial >= 1, "--cpus-per-trial", "be >= 1", args.cpus_per_trial)
+    check(args.concurrency is None or args.concurrency >= 1, "--concurrency", "be >= 1 (leave it out for as many "
+          "as the resources allow)", args.concurrency)
     if not os.environ.get("RAY_ADDRESS"):   # a local Ray has this machine's cores; a trial asking more never starts
         cores = os.cpu_count() or 1
         check(args.cpus_per_trial <= cores, "--cpus-per-trial", f"be at most this machine's {cores} cores (Ray "
