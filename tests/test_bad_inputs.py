@@ -66,7 +66,8 @@ class Case:
     usage: bool = False                 # an argparse error: its usage block, then the error line
     within_s: float | None = None       # the error comes within this many seconds
     cached: bool = False                # refused after the images were decoded: their (complete) cache may stay
-    full_disk: bool = False             # run where ./full is a full disk (a tmpfs with one free page): see FULL
+    full_disk: bool | str = False       # run where ./full is a full disk (a tmpfs with one free page), or a tmpfs
+                                        # mounted with these options ("ro"): see FULL
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -266,11 +267,12 @@ def full_disk_cases_can_run() -> bool:
         return False
 
 
-def on_a_tmpfs(mount: Path, size: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
-    """``argv`` run in a private user and mount namespace where ``mount`` is a fresh tmpfs of ``size`` bytes: the
-    kernel says ENOSPC when it fills, as on a full disk; only that process sees it, and it is gone when it ends."""
-    return subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size="$0" tmpfs "$1" && shift && exec "$@"',
-                           size, str(mount), *argv], capture_output=True, text=True, **kw)
+def on_a_tmpfs(mount: Path, options: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """``argv`` run in a private user and mount namespace where ``mount`` is a fresh tmpfs mounted with ``options``
+    ("size=4k": the kernel says ENOSPC when it fills, as on a full disk; "ro": EROFS); only that process sees it, and
+    it is gone when it ends."""
+    return subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o "$0" tmpfs "$1" && shift && exec "$@"',
+                           options, str(mount), *argv], capture_output=True, text=True, **kw)
 
 
 IN_A_NAMESPACE = f"""
@@ -295,7 +297,8 @@ sys.exit(code)
 def invoke_on_a_full_disk(case: Case, argv: list[str], tmp: Path, capsys) -> int:
     """The case's command in a process of its own where ./full is a full disk; its output as capsys would show it.
     Fails the case if anything is left on the full disk."""
-    r = on_a_tmpfs(tmp / FULL, "4k", [sys.executable, "-c", IN_A_NAMESPACE, json.dumps(argv), case.cmd],
+    options = case.full_disk if isinstance(case.full_disk, str) else "size=4k"
+    r = on_a_tmpfs(tmp / FULL, options, [sys.executable, "-c", IN_A_NAMESPACE, json.dumps(argv), case.cmd],
                    cwd=tmp, timeout=120)
     out, left = r.stdout.rsplit("LEFT ON THE FULL DISK ", 1) if "LEFT ON THE FULL DISK " in r.stdout else (r.stdout, "[]")
     assert json.loads(left) == [], left   # not even the write probe's file
@@ -717,6 +720,10 @@ CASES = [
     Case("evaluate-json-on-a-full-disk", "cowtune",
          lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--json", f"{FULL}/r.json"],
          (f"--json {FULL}/r.json: its folder cannot be written (No space left on device)",), full_disk=True),
+    Case("train-out-on-a-read-only-disk", "cowtune", digits(out=f"{FULL}/run"),
+         (f"--out {FULL}/run cannot be made: ", f"/{FULL} is not writable"), full_disk="ro"),
+    Case("search-storage-on-a-read-only-disk", "search", search(storage=f"{FULL}/ray"),
+         (f"--storage {FULL}/ray cannot be made: ", f"/{FULL} is not writable"), full_disk="ro"),
     Case("evaluate-json-is-a-folder", "cowtune",
          lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--json", str(t.tmp)],
          ("--json", "is a folder: give a file name")),
@@ -890,7 +897,7 @@ def test_a_disk_that_fills_mid_run_is_named_and_nothing_is_left_half_written(tmp
         pytest.skip("no user and mount namespace here (unshare -rm) to mount a tmpfs in")
     (tmp_path / "full").mkdir()
     argv = digits("train.epochs=1", "train.steps_per_epoch=1", out="full/run")(None)
-    r = on_a_tmpfs(tmp_path / "full", "64m", [sys.executable, "-c", FILLS_UP, json.dumps(argv)], cwd=tmp_path,
+    r = on_a_tmpfs(tmp_path / "full", "size=64m", [sys.executable, "-c", FILLS_UP, json.dumps(argv)], cwd=tmp_path,
                    timeout=300, env={**os.environ, "COWTUNE_CACHE": str(tmp_path / CACHE)})
     assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.splitlines()[-1])
@@ -964,7 +971,7 @@ def test_a_search_whose_storage_fills_up_ends_in_one_line_naming_it(tmp_path):
     (tmp_path / "full").mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "COWTUNE_STORAGE")}
     env.update(COWTUNE_CACHE=str(tmp_path / CACHE), PYTHONUNBUFFERED="1")
-    r = on_a_tmpfs(tmp_path / "full", "3m", [sys.executable, str(SCRIPT), "--smoke-test", "--trials", "2", "--no-confirm",
+    r = on_a_tmpfs(tmp_path / "full", "size=3m", [sys.executable, str(SCRIPT), "--smoke-test", "--trials", "2", "--no-confirm",
                                               "--no-compile-ahead", "--name", "fills", "--storage", "full/ray"],
                    cwd=tmp_path, env=env, timeout=400)
     last = r.stderr.splitlines()[-1]
