@@ -46,6 +46,12 @@ CASES = {   # --set overrides over BASE, as `cowtune train` takes them
     "mean teacher": ["perturb.name=mean_teacher", "perturb.conf_thresh=0.105"],
     "randerase+ict": ["perturb.name=randerase", "perturb.apply_prob=0.5", "mix.name=ict", *LOW],
     "cutmix, per-sample confidence": ["mix.name=cutmix", "mix.conf_avg=false", "mix.conf_thresh=0.11"],
+    "randerase+ict, plain step": ["perturb.name=randerase", "perturb.apply_prob=0.5", "mix.name=ict", *LOW,
+                                  "train.fast=false"],
+    "cutmix fixed, plain step": ["mix.name=cutmix", "mix.scale_mode=fixed", "mix.conf_thresh=0.105",
+                                 "train.fast=false"],
+    "cutmix fixed, compiled": ["mix.name=cutmix", "mix.scale_mode=fixed", "mix.conf_thresh=0.105",
+                               "train.compile=true"],
 }
 
 

@@ -1,9 +1,11 @@
 """The student's inputs after the regularizers' draws (trainables.step.student_inputs): compiled once for
-every trial's numbers, and the same as the regularizers' own verbs."""
+every trial's numbers (on the device, as the fast path passes them), the same as with the plain step's floats, and
+the same as the regularizers' own verbs."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+from trainables.fast.switch import draws_on_device
 from trainables.ssl.regularizers import REGULARIZERS
 from trainables.step import student_inputs
 
@@ -24,11 +26,15 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def call(fn, reg, x_sup, x1, x0, seed, stacked=False):
+def call(fn, reg, x_sup, x1, x0, seed, stacked=False, on_device=False):
+    """``fn`` on the regularizer's draws; ``on_device``: its numbers as 0-d tensors, as the fast path passes them."""
     g = gen(seed)
+    draws = reg.draw(x1 if reg.kind == "perturb" else x0, g)
+    if on_device:
+        draws = draws_on_device(draws, x0.device)
     if reg.kind == "perturb":
-        return fn(x_sup, x1, x0, reg, reg.draw(x1, g), None, None, stacked, False)
-    return fn(x_sup, x1, x0, None, None, reg, reg.draw(x0, g), stacked, False)
+        return fn(x_sup, x1, x0, reg, draws, None, None, stacked, False)
+    return fn(x_sup, x1, x0, None, None, reg, draws, stacked, False)
 
 
 def test_every_regularizer_has_two_settings_here():
@@ -43,8 +49,8 @@ def test_one_compilation_serves_other_numbers(name):
     x_sup, x1, x0 = (torch.randn(8, 3, 16, 16, generator=gen(s)) for s in (1, 2, 3))
     for settings in NUMBERS[name]:
         reg = REGULARIZERS[name](**settings)
-        got, blend = call(compiled, reg, x_sup, x1, x0, 4)
-        want, want_blend = call(student_inputs, reg, x_sup, x1, x0, 4)
+        got, blend = call(compiled, reg, x_sup, x1, x0, 4, on_device=True)
+        want, want_blend = call(student_inputs, reg, x_sup, x1, x0, 4)   # the plain step's: floats
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want) == 2
         if reg.kind == "mix":
             assert torch.equal(blend, want_blend)

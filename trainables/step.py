@@ -57,8 +57,8 @@ def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch
     """The student's batches in the reference's call order (labeled, erased, mixed with the unlabeled batch
     rolled by one), stacked into one or not, in the model's memory format; and the mix blend. Everything
     after the regularizers' random draws: compiled on a GPU (train.compile_masks_and_losses), one compilation
-    for every trial's numbers (they come as tensors in the draws), where eagerly it is some 40 small kernels on
-    the way to the student's first convolution."""
+    for every trial's numbers (the fast path puts them in the draws as tensors), where eagerly it is some 40 small
+    kernels on the way to the student's first convolution."""
     xs = [x_sup] if x_sup is not None else []
     if perturb is not None:
         xs.append(perturb.perturb_drawn(x_unsup1, perturb_draws))
@@ -136,6 +136,11 @@ def student_logits(student: Callable[[Tensor], Tensor], r: StepRunner, inputs: l
     return out
 
 
+def draw(reg: Regularizer, x: Tensor, gen: torch.Generator) -> dict[str, Any]:
+    """The regularizer's random draws for a batch like ``x`` and its own numbers (``Regularizer.draw``)."""
+    return reg.draw(x, gen)
+
+
 def update_(optimizer: torch.optim.Optimizer, pairs: EmaPairs, alpha: float | Tensor) -> None:
     """SGD on the student, then the teacher follows it: teacher <- alpha * teacher + (1 - alpha) * student."""
     optimizer.step()
@@ -147,9 +152,11 @@ class Kernels:
     """How ``train_step`` runs its parts: these defaults and the runner's models are the plain step, the
     specification. The fast path builds others that compute the same (``trainables.fast.switch.FastStep``): the
     models and the glue compiled, the teacher on its own CUDA stream (then ``loss_terms`` waits for it), the weight
-    gradients on another (``backward`` joins it), the update in two parts around that join."""
+    gradients on another (``backward`` joins it), the update in two parts around that join, and the regularizers'
+    numbers put on the device as ``draw`` gives them."""
     student: Callable[[Tensor], Tensor]      # the student's forward pass
     teacher: Callable[[Tensor], Tensor]      # the teacher's logits, ``trainables.ssl.ema.teacher_logits``
+    draw: Callable[[Regularizer, Tensor, torch.Generator], dict[str, Any]] = draw
     student_inputs: Callable[..., tuple[list[Tensor], Tensor | None]] = student_inputs
     loss_terms: Callable[..., tuple[Tensor, dict[str, Tensor]]] = loss_terms
     backward: Callable[[Tensor], None] = Tensor.backward
@@ -175,8 +182,8 @@ def train_step(r: StepRunner, k: Kernels, batch: Batch, gen: torch.Generator, lr
     z_logits = k.teacher(x_hat) if erase is not None or mix is not None else None
     # The masks m (and the erasure's noise): x_hat_m = x_hat * m + noise * (1 - m) for erasure; for mixing
     # x_hat_m = x_a * m + x_b * (1 - m), the partner x_b being the batch rolled by one (as in the reference)
-    erase_draws = erase.draw(x_hat_student, gen) if erase is not None else None
-    mix_draws = mix.draw(x_hat, gen) if mix is not None else None
+    erase_draws = k.draw(erase, x_hat_student, gen) if erase is not None else None
+    mix_draws = k.draw(mix, x_hat, gen) if mix is not None else None
     # Batch-norm statistics per batch, as the reference's separate student calls; with both paths on, the running
     # statistics are kept from the erasure call only
     segments = [(x_sup.shape[0], True)] if x_sup is not None else []

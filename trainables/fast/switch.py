@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student"]
+__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "draws_on_device", "gpu_identity", "gpu_turn",
+           "on_device", "prepare_student"]
 
 
 class Switches:
@@ -136,11 +137,10 @@ class FastStep:
         else:
             backward = functools.partial(_backward, device) if self.wgrad_stream else plain.backward
             update = functools.partial(_update, ema, device) if self.ema_compiled else plain.update
-        self.kernels = dataclasses.replace(plain, student=student, teacher=teacher_kernel, student_inputs=student_inputs,
+        self.kernels = dataclasses.replace(plain, student=student, teacher=teacher_kernel,
+                                           draw=functools.partial(_draw_on_device, plain.draw), student_inputs=student_inputs,
                                            loss_terms=loss_terms, backward=backward, update=update)
-        # omega and psi as 0-d views of one device tensor: compiled code and a captured graph read the tensor, so
-        # one compilation and one capture serve every trial's numbers (a CUDA graph could not copy them in)
-        self.numbers = r.numbers._make(device_constants(tuple(r.numbers), device).unbind())
+        self.numbers = on_device(r.numbers, device)   # omega and psi
 
     def _inductor_options(self, cfg: TrainConfig, device: torch.device, mode: str) -> dict[str, dict[str, object]]:
         combo, pdl, reads = combo_kernels_wanted(cfg), dependent_launch_wanted(cfg), realize_reads_wanted(cfg)
@@ -172,6 +172,22 @@ class FastStep:
         """Frees the whole-step CUDA graph, if captured (``StepGraph.release``)."""
         if self.step_graph is not None:
             self.step_graph.release()
+
+
+def on_device(numbers: tuple, device: torch.device) -> tuple:
+    """A NamedTuple of floats as 0-d views of one device tensor, by the same names (``device_constants``: made once
+    and kept). Compiled code reads the tensor, so one compilation serves every trial's numbers; a captured CUDA
+    graph reads it too, where it could not copy a number from the host."""
+    return numbers._make(device_constants(tuple(numbers), device).unbind())
+
+
+def draws_on_device(draws: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A regularizer's draws with its numbers (its NamedTuples of floats) on ``device`` (``on_device``)."""
+    return {k: on_device(v, device) if isinstance(v, tuple) else v for k, v in draws.items()}
+
+
+def _draw_on_device(draw: Callable[..., dict[str, Any]], reg: Any, x: Tensor, gen: torch.Generator) -> dict[str, Any]:
+    return draws_on_device(draw(reg, x, gen), x.device)
 
 
 def _on_stream(stream: torch.cuda.Stream, device: torch.device, teacher: Callable[[Tensor], Tensor],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -67,25 +68,34 @@ def cow_mask_draws(n: int, size: tuple[int, int], gen: torch.Generator,
     return u_p, u_sigma, torch.randn(n, *size, generator=gen, device=device)
 
 
-def cow_mask_numbers(sigma_range: tuple[float, float], prop_range: tuple[float, float]) -> tuple[float, ...]:
-    """What ``cow_masks_from`` reads of the ranges: p low and span, log sigma low and span, blur radius."""
+class CowMaskNumbers(NamedTuple):
+    """What ``cow_masks_from`` reads of the ranges: floats, or 0-d tensors (so that compiled code serves every
+    trial's ranges: ``trainables.fast``)."""
+    p_low: float | torch.Tensor
+    p_span: float | torch.Tensor
+    log_sigma_low: float | torch.Tensor
+    log_sigma_span: float | torch.Tensor
+    radius: float | torch.Tensor   # of the blur, from the largest sigma (``blur_radius``)
+
+
+def cow_mask_numbers(sigma_range: tuple[float, float], prop_range: tuple[float, float]) -> CowMaskNumbers:
     lo, hi = math.log(sigma_range[0]), math.log(sigma_range[1])
-    return prop_range[0], prop_range[1] - prop_range[0], lo, hi - lo, float(blur_radius(sigma_range[1]))
+    return CowMaskNumbers(prop_range[0], prop_range[1] - prop_range[0], lo, hi - lo, float(blur_radius(sigma_range[1])))
 
 
 def cow_masks_from(u_p: torch.Tensor, u_sigma: torch.Tensor, noise: torch.Tensor,
-                   numbers: torch.Tensor) -> torch.Tensor:
-    """CowMasks from their draws (``cow_mask_draws``) and ``numbers`` (``cow_mask_numbers`` as a tensor).
+                   numbers: CowMaskNumbers) -> torch.Tensor:
+    """CowMasks from their draws (``cow_mask_draws``) and ``numbers`` (``cow_mask_numbers``).
 
     Per mask: p ~ U[p_lo, p_hi); sigma ~ logU[s_lo, s_hi]; smooth = G_H @ noise @ G_W^T;
     mask = smooth <= mean + sqrt(2) erfinv(2p - 1) * std (population std), so about a fraction p of
     the pixels are 1. Returns (n, 1, H, W) float32 0/1.
     """
     h, w = noise.shape[-2:]
-    p = numbers[0] + numbers[1] * u_p
-    sigmas = (numbers[2] + numbers[3] * u_sigma).exp()
-    g_h = gaussian_matrices(sigmas, h, numbers[4])                          # (n, H, H)
-    g_w = g_h if w == h else gaussian_matrices(sigmas, w, numbers[4])     # (n, W, W): the same if square
+    p = numbers.p_low + numbers.p_span * u_p
+    sigmas = (numbers.log_sigma_low + numbers.log_sigma_span * u_sigma).exp()
+    g_h = gaussian_matrices(sigmas, h, numbers.radius)                          # (n, H, H)
+    g_w = g_h if w == h else gaussian_matrices(sigmas, w, numbers.radius)     # (n, W, W): the same if square
     smooth = g_h @ noise @ g_w.transpose(1, 2)                              # (n, H, W)
     mean = smooth.mean(dim=(1, 2))
     std = smooth.std(dim=(1, 2), correction=0)
@@ -102,9 +112,7 @@ def cow_masks(n: int, size: tuple[int, int], sigma_range: tuple[float, float],
     Returns:
         (n, 1, H, W) float32 tensor of 0/1 values on ``device``.
     """
-    device = torch.device(device)
-    numbers = device_constants(cow_mask_numbers(sigma_range, prop_range), device)
-    return cow_masks_from(*cow_mask_draws(n, size, gen, device), numbers)
+    return cow_masks_from(*cow_mask_draws(n, size, gen, device), cow_mask_numbers(sigma_range, prop_range))
 
 
 def box_mask_draws(n: int, scale_mode: str, random_aspect: bool, gen: torch.Generator,
@@ -119,8 +127,8 @@ def box_mask_draws(n: int, scale_mode: str, random_aspect: bool, gen: torch.Gene
 
 
 def box_masks_from(draws: dict[str, torch.Tensor], size: tuple[int, int], scale_mode: str,
-                   scale: torch.Tensor) -> torch.Tensor:
-    """Box masks from their draws (``box_mask_draws``); ``scale``: the fixed mode's area, a 0-d tensor.
+                   scale: float | torch.Tensor) -> torch.Tensor:
+    """Box masks from their draws (``box_mask_draws``); ``scale``: the fixed mode's area, a float or a 0-d tensor.
 
     Area fraction a: ``fixed`` -> scale, ``random_area`` -> U(0, 1), ``random_size`` -> U(0, 1)^2.
     With a random aspect ratio, log(AR) ~ U(-1, 1) * log(a), so AR lies in [a, 1/a] and the box
@@ -129,7 +137,7 @@ def box_masks_from(draws: dict[str, torch.Tensor], size: tuple[int, int], scale_
     h, w = size
     top = draws["top"]
     if scale_mode == "fixed":
-        area = scale.expand(top.shape)
+        area = scale.expand(top.shape) if isinstance(scale, torch.Tensor) else torch.full_like(top, scale)
     else:
         area = draws["area"] if scale_mode == "random_area" else draws["area"] ** 2
     ar_sqrt = torch.exp(0.5 * ((-1.0 + 2.0 * draws["aspect"]) * torch.log(area.clamp_min(1e-8)))) \
@@ -155,7 +163,7 @@ def box_masks(n: int, size: tuple[int, int], scale_mode: str, scale: float, rand
     """
     device = torch.device(device)
     draws = box_mask_draws(n, scale_mode, random_aspect, gen, device)
-    return box_masks_from(draws, size, scale_mode, device_constants((scale,), device)[0])
+    return box_masks_from(draws, size, scale_mode, scale)
 
 
 def beta_draws(n: int, gen: torch.Generator, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -167,19 +175,26 @@ def beta_draws(n: int, gen: torch.Generator, device: torch.device | str = "cpu")
                                                      torch.rand(n, generator=gen, device=device)))
 
 
-def beta_numbers(alpha: float) -> tuple[float, float, float]:
-    """What ``beta_from`` reads of alpha: Marsaglia-Tsang's d and c for Gamma(alpha + 1), and 1 / alpha."""
+class BetaNumbers(NamedTuple):
+    """What ``beta_from`` reads of alpha: Marsaglia-Tsang's d and c for Gamma(alpha + 1), and 1 / alpha (floats, or
+    0-d tensors)."""
+    d: float | torch.Tensor
+    c: float | torch.Tensor
+    inv_alpha: float | torch.Tensor
+
+
+def beta_numbers(alpha: float) -> BetaNumbers:
     d = alpha + 1.0 - 1.0 / 3.0
-    return d, 1.0 / math.sqrt(9.0 * d), 1.0 / alpha
+    return BetaNumbers(d, 1.0 / math.sqrt(9.0 * d), 1.0 / alpha)
 
 
-def beta_from(draws: tuple[torch.Tensor, ...], numbers: torch.Tensor) -> torch.Tensor:
+def beta_from(draws: tuple[torch.Tensor, ...], numbers: BetaNumbers) -> torch.Tensor:
     """Beta(alpha, alpha) samples from their draws (``beta_draws``) and ``numbers`` (``beta_numbers``).
 
     Gamma(a) by Marsaglia-Tsang on Gamma(a + 1) with the boost U^(1/a); eight vectorised
     proposal rounds (acceptance > 95% each), the first accepted one is used.
     """
-    d, c, inv_alpha = numbers[0], numbers[1], numbers[2]
+    d, c, inv_alpha = numbers
 
     def gamma(x: torch.Tensor, u: torch.Tensor, u_boost: torch.Tensor) -> torch.Tensor:
         v = (1 + c * x) ** 3
@@ -187,7 +202,12 @@ def beta_from(draws: tuple[torch.Tensor, ...], numbers: torch.Tensor) -> torch.T
         first = torch.argmax(ok.int(), dim=0)                          # first accepted round
         g = (d * v).gather(0, first[None]).squeeze(0)
         g = torch.where(ok.any(0), g, d)
-        return g * u_boost.clamp_min(1e-12) ** inv_alpha
+        return g * u_boost.clamp_min(1e-12) ** exponent
+
+    # pow with a Python number for exponent takes PyTorch's special cases (2: a square, 0.5: a square root) and
+    # rounds otherwise than with a tensor: a 0-d tensor, as the fast path passes, gives one result either way
+    exponent = inv_alpha if isinstance(inv_alpha, torch.Tensor) else \
+        torch.tensor(inv_alpha, dtype=draws[2].dtype, device=draws[2].device)
 
     a, b = gamma(*draws[:3]), gamma(*draws[3:])
     return a / (a + b).clamp_min(1e-30)
@@ -195,5 +215,4 @@ def beta_from(draws: tuple[torch.Tensor, ...], numbers: torch.Tensor) -> torch.T
 
 def beta_sample(alpha: float, n: int, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
     """Beta(alpha, alpha) samples from an explicit generator, without host synchronisation (``beta_from``)."""
-    device = torch.device(device)
-    return beta_from(beta_draws(n, gen, device), device_constants(beta_numbers(alpha), device))
+    return beta_from(beta_draws(n, gen, device), beta_numbers(alpha))

@@ -9,9 +9,10 @@ arXiv:2003.12022. Two verbs (after the authors' ``masking/regularizers.py``):
 * ``mix(x0, x1, gen) -> (x_mixed, blend)`` for the mixing family (kind "mix"): ict (Beta blend),
   cutmix (box), cowmix (CowMask). ``blend`` (N,) is the fraction taken from ``x1``.
 
-Each verb is two halves: ``draw(x, gen)``, every random number it uses (and its own numbers as a
-device tensor, "numbers"), then ``perturb_drawn`` / ``mix_drawn``, the arithmetic on them with no
-generator. The trainer compiles the second half; so that one compilation serves every trial, it
+Each verb is two halves: ``draw(x, gen)``, every random number it uses and, under their names, the
+regularizer's own numbers (NamedTuples of floats: ``CowMaskNumbers``, ``ErasureNumbers``, ...), then
+``perturb_drawn`` / ``mix_drawn``, the arithmetic on them with no generator. The fast path puts those numbers
+on the device as 0-d tensors and compiles the second half; so that one compilation serves every trial, it
 reads of ``self`` only what decides the shape of the computation (a box's scale mode), never a number's
 value (whether a part is on at all, noise or apply_prob < 1, shows as which draws there are).
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from trainables.ssl.masks import (BOX_SCALE_MODES, beta_draws, beta_from, beta_numbers, box_mask_draws, box_masks_from,
-                                  cow_mask_draws, cow_mask_numbers, cow_masks_from, device_constants)
+                                  cow_mask_draws, cow_mask_numbers, cow_masks_from)
 from trainables.validation import ConfigError, build_dataclass, check, dataclass_to_dict, unknown_name
 
 REGULARIZERS: dict[str, type["Regularizer"]] = {}
@@ -48,14 +49,15 @@ class Regularizer:
     kind: ClassVar[str] = ""          # "perturb" or "mix"
     augment_twice: ClassVar[bool] = False
 
-    def draw(self, x: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """The random numbers one call uses, for a batch like ``x``, and "numbers": this regularizer's own."""
+    def draw(self, x: torch.Tensor, gen: torch.Generator) -> dict[str, Any]:
+        """The random numbers one call uses, for a batch like ``x``, and this regularizer's own numbers (each a
+        NamedTuple of floats, under its own key)."""
         return {}
 
-    def perturb_drawn(self, x: torch.Tensor, draws: dict[str, torch.Tensor]) -> torch.Tensor:
+    def perturb_drawn(self, x: torch.Tensor, draws: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
-    def mix_drawn(self, x0: torch.Tensor, x1: torch.Tensor, draws: dict[str, torch.Tensor]
+    def mix_drawn(self, x0: torch.Tensor, x1: torch.Tensor, draws: dict[str, Any]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -82,15 +84,25 @@ def _erase_draws(x: torch.Tensor, noise_std: float, apply_prob: float, gen: torc
     return draws
 
 
-def _erase(x: torch.Tensor, keep: torch.Tensor, draws: dict[str, torch.Tensor], noise_std: torch.Tensor,
-           apply_prob: torch.Tensor) -> torch.Tensor:
+class ErasureNumbers(NamedTuple):
+    """What erasure reads of its regularizer besides the mask: floats, or 0-d tensors."""
+    noise_std: float | torch.Tensor    # std of the fill noise
+    apply_prob: float | torch.Tensor   # per-sample probability of erasing at all
+
+
+def _erase(x: torch.Tensor, keep: torch.Tensor, draws: dict[str, Any]) -> torch.Tensor:
     """x * keep + noise * (1 - keep); with apply_prob < 1 some samples keep everything."""
+    numbers: ErasureNumbers = draws["erase"]
     if "apply" in draws:
-        keep = torch.where(draws["apply"] < apply_prob, keep, torch.ones_like(keep))
+        keep = torch.where(draws["apply"] < numbers.apply_prob, keep, torch.ones_like(keep))
     keep = keep.to(x.dtype)
     if "fill" in draws:
-        return x * keep + draws["fill"] * noise_std * (1 - keep)
+        return x * keep + draws["fill"] * numbers.noise_std * (1 - keep)
     return x * keep
+
+
+class BoxNumbers(NamedTuple):
+    scale: float | torch.Tensor   # the box's area fraction in the "fixed" scale mode
 
 
 def _blend(x0: torch.Tensor, x1: torch.Tensor, take1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,14 +139,13 @@ class CowOut(Regularizer):
 
     def draw(self, x, gen):
         u_p, u_sigma, noise = cow_mask_draws(x.shape[0], x.shape[-2:], gen, x.device)
-        numbers = cow_mask_numbers(self.sigma_range, self.prop_range) + (self.noise_std, self.apply_prob)
-        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise,
-                **_erase_draws(x, self.noise_std, self.apply_prob, gen), "numbers": device_constants(numbers, x.device)}
+        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise, **_erase_draws(x, self.noise_std, self.apply_prob, gen),
+                "mask": cow_mask_numbers(self.sigma_range, self.prop_range),
+                "erase": ErasureNumbers(self.noise_std, self.apply_prob)}
 
     def perturb_drawn(self, x, draws):
-        numbers = draws["numbers"]
-        keep = cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], numbers[:5])
-        return _erase(x, keep, draws, numbers[5], numbers[6])
+        keep = cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], draws["mask"])
+        return _erase(x, keep, draws)
 
 
 @register("randerase")
@@ -157,13 +168,12 @@ class RandErase(Regularizer):
 
     def draw(self, x, gen):
         boxes = box_mask_draws(x.shape[0], self.scale_mode, self.random_aspect, gen, x.device)
-        numbers = device_constants((self.scale, self.noise_std, self.apply_prob), x.device)
-        return {**boxes, **_erase_draws(x, self.noise_std, self.apply_prob, gen), "numbers": numbers}
+        return {**boxes, **_erase_draws(x, self.noise_std, self.apply_prob, gen), "box": BoxNumbers(self.scale),
+                "erase": ErasureNumbers(self.noise_std, self.apply_prob)}
 
     def perturb_drawn(self, x, draws):
-        numbers = draws["numbers"]
-        keep = box_masks_from(draws, x.shape[-2:], self.scale_mode, numbers[0])
-        return _erase(x, keep, draws, numbers[1], numbers[2])
+        keep = box_masks_from(draws, x.shape[-2:], self.scale_mode, draws["box"].scale)
+        return _erase(x, keep, draws)
 
 
 @register("ict")
@@ -178,11 +188,10 @@ class ICT(Regularizer):
 
     def draw(self, x, gen):
         draws = beta_draws(x.shape[0], gen, x.device)
-        return {**{f"beta{i}": d for i, d in enumerate(draws)},
-                "numbers": device_constants(beta_numbers(self.alpha), x.device)}
+        return {**{f"beta{i}": d for i, d in enumerate(draws)}, "beta": beta_numbers(self.alpha)}
 
     def mix_drawn(self, x0, x1, draws):
-        lam = beta_from(tuple(draws[f"beta{i}"] for i in range(6)), draws["numbers"]).to(x0.dtype)
+        lam = beta_from(tuple(draws[f"beta{i}"] for i in range(6)), draws["beta"]).to(x0.dtype)
         return x0 + (x1 - x0) * lam[:, None, None, None], lam
 
 
@@ -202,10 +211,10 @@ class CutMix(Regularizer):
 
     def draw(self, x, gen):
         return {**box_mask_draws(x.shape[0], self.scale_mode, self.random_aspect, gen, x.device),
-                "numbers": device_constants((self.scale,), x.device)}
+                "box": BoxNumbers(self.scale)}
 
     def mix_drawn(self, x0, x1, draws):
-        return _blend(x0, x1, box_masks_from(draws, x0.shape[-2:], self.scale_mode, draws["numbers"][0]))
+        return _blend(x0, x1, box_masks_from(draws, x0.shape[-2:], self.scale_mode, draws["box"].scale))
 
 
 @register("cowmix")
@@ -222,11 +231,10 @@ class CowMix(Regularizer):
 
     def draw(self, x, gen):
         u_p, u_sigma, noise = cow_mask_draws(x.shape[0], x.shape[-2:], gen, x.device)
-        numbers = device_constants(cow_mask_numbers(self.sigma_range, self.prop_range), x.device)
-        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise, "numbers": numbers}
+        return {"u_p": u_p, "u_sigma": u_sigma, "noise": noise, "mask": cow_mask_numbers(self.sigma_range, self.prop_range)}
 
     def mix_drawn(self, x0, x1, draws):
-        return _blend(x0, x1, cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], draws["numbers"]))
+        return _blend(x0, x1, cow_masks_from(draws["u_p"], draws["u_sigma"], draws["noise"], draws["mask"]))
 
 
 def regularizer_from_dict(d: dict[str, Any], prefix: str = "regularizer",
