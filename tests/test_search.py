@@ -100,8 +100,9 @@ def test_promote_registers_best_full_budget_trial(search, search_env, mlflow_ser
                              cwd=tmp, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and not (tmp / "p.yaml").exists()
     assert "has no confirm stage" in refused.stderr and "--unconfirmed" in refused.stderr, refused.stderr
-    run_checked([*COWTUNE, "promote", "--search", "e2e", "--unconfirmed", "--out", str(tmp / "promoted.yaml")],
-                search_env, tmp)
+    out = run_checked([*COWTUNE, "promote", "--search", "e2e", "--unconfirmed", "--out", str(tmp / "promoted.yaml")],
+                      search_env, tmp)
+    assert "Downloading artifacts" not in out.stdout + out.stderr   # issue 54 item 11: no MLflow download bars
     client, _, children = runs_of(mlflow_server, "e2e")
     objective = M.mean_of_last(M.VAL_ERROR_TEACHER, 3)   # the search file's: the last 3 epochs' mean (here 2)
     best = min(children, key=lambda c: (c.data.metrics[objective], c.info.start_time))
