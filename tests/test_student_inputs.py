@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from trainables.fast.switch import draws_on_device
+from trainables.fast.device_numbers import draws_on_device, on_device as numbers_on_device
 from trainables.ssl.regularizers import REGULARIZERS
 from trainables.step import student_inputs
 
@@ -80,7 +80,6 @@ def test_channels_last_on_request():
 def test_loss_terms_compile_once_for_every_trials_numbers():
     from trainables.config import TrainConfig
     from trainables.step import PathNumbers, loss_terms
-    from trainables.ssl.masks import device_constants
 
     torch._dynamo.reset()
     counter = CompileCounter()
@@ -92,7 +91,7 @@ def test_loss_terms_compile_once_for_every_trials_numbers():
         cfg = TrainConfig.from_dict({"perturb": {"name": "cowout", "weight": omega / 10, "conf_thresh": thresh},
                                      "mix": {"name": "cowmix", "weight": omega, "conf_thresh": thresh}})
         # as the fast path passes them: 0-d views of one device tensor (trainables.fast.switch.FastStep)
-        numbers = PathNumbers(*device_constants(tuple(PathNumbers.of(cfg)), torch.device("cpu")).unbind())
+        numbers = numbers_on_device(PathNumbers.of(cfg), torch.device("cpu"))
         grads = []
         for fn in (compiled, loss_terms):
             xs = [t.clone().requires_grad_() for t in logits]

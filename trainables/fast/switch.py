@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from trainables.fast.compile_options import (GRAPH_SWITCH_OWNERS, allow_custom_f
                                             combo_kernels_wanted, dependent_launch_wanted, inductor_options,
                                             realize_reads_wanted, tune_kernels_wanted)
 from trainables.fast.cuda_streams import shared_stream
+from trainables.fast.device_numbers import draws_on_device, on_device
 from trainables.fast.fast_conv import apply_conv_kernels
 from trainables.fast.gpu_turns import gpu_identity, gpu_turn
 from trainables.fast.split_update import UpdatePart, sgd_part_, split_update
@@ -39,15 +40,13 @@ from trainables.fast.step_graph import StepGraph
 from trainables.fast.stored_grad import register_lowering as register_store_lowering
 from trainables.fast.wgrad_stream import apply_wgrad_stream, backward_on_side, side_stream_wanted
 from trainables.ssl.ema import EmaPairs, ema_update_, ema_weight, teacher_logits
-from trainables.ssl.masks import device_constants
 
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "draws_on_device", "gpu_identity", "gpu_turn",
-           "on_device", "prepare_student"]
+__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student"]
 
 
 class Switches:
@@ -172,18 +171,6 @@ class FastStep:
         """Frees the whole-step CUDA graph, if captured (``StepGraph.release``)."""
         if self.step_graph is not None:
             self.step_graph.release()
-
-
-def on_device(numbers: tuple, device: torch.device) -> tuple:
-    """A NamedTuple of floats as 0-d views of one device tensor, by the same names (``device_constants``: made once
-    and kept). Compiled code reads the tensor, so one compilation serves every trial's numbers; a captured CUDA
-    graph reads it too, where it could not copy a number from the host."""
-    return numbers._make(device_constants(tuple(numbers), device).unbind())
-
-
-def draws_on_device(draws: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A regularizer's draws with its numbers (its NamedTuples of floats) on ``device`` (``on_device``)."""
-    return {k: on_device(v, device) if isinstance(v, tuple) else v for k, v in draws.items()}
 
 
 def _draw_on_device(draw: Callable[..., dict[str, Any]], reg: Any, x: Tensor, gen: torch.Generator) -> dict[str, Any]:

@@ -9,30 +9,12 @@ over channels. For erasure, 1 keeps the pixel; for mixing, 1 takes the pixel fro
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 
 BOX_SCALE_MODES = ("fixed", "random_area", "random_size")
-
-
-def device_constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor of the default float type on ``device``, made once and kept. A mask's numbers
-    (ranges, scales; and the step's loss weights and thresholds, ``trainables.step``) reach the arithmetic
-    after the random draws as a tensor, so that code compiled for it serves every trial's numbers; and a CUDA
-    graph capture cannot copy from the host: the passes before it make the tensor. Kept for the life of the
-    process (a few bytes each): a captured graph reads the tensor but does not hold it."""
-    return _constants(tuple(float(v) for v in values), torch.device(device), torch.get_default_dtype())
-
-
-@functools.cache
-def _constants(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the device constants {values} were first asked for while a CUDA graph captures, "
-                           "which cannot copy them from the host: make them in the passes before the capture")
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def gaussian_matrices(sigmas: torch.Tensor, size: int, radius: float | torch.Tensor) -> torch.Tensor:
