@@ -142,9 +142,9 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
 
 
 def _stop_if_stopped(name: str, uri: str, parent_id: str) -> None:
-    """A search stopped by a signal (``interrupt``): its parent run KILLED, one line, exit status 143 or 130."""
+    """Stopped by a signal (``interrupt``): parent run KILLED, Ray shut down (workers' last lines first), one line."""
     if (by := interrupt.stopped_by()) is not None:
         tracking.finish_run(uri, parent_id, "KILLED")
-        print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr,
-              flush=True)
+        ray.shutdown()
+        print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)
         raise SystemExit(143 if by == "SIGTERM" else 130)
