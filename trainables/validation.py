@@ -171,7 +171,8 @@ def writable_folder(path: str | os.PathLike, field: str, create: bool = True) ->
     if not create and not p.exists():
         nearest = next(a for a in p.absolute().parents if a.exists())
         if not os.access(nearest, os.W_OK | os.X_OK):
-            raise ConfigError(f"{field} {path} cannot be made: {nearest} is not writable")
+            ro = " (a read-only file system)" if os.statvfs(nearest).f_flag & os.ST_RDONLY else ""
+            raise ConfigError(f"{field} {path} cannot be made: {nearest} is not writable{ro}")
         made = p.absolute().relative_to(nearest).parts   # made and removed again: access() is not the whole answer
         try:                                              # (a read-only mount, /proc; for root, any folder)
             p.mkdir(parents=True)
