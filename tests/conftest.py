@@ -61,10 +61,93 @@ SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # th
 OWN_NODES = {"test_cluster", "test_team_stack"}   # start their own Ray nodes; may share only PostgreSQL/MLflow fixtures
 
 
+# The fast tier (`pytest -m "not slow"`, at most 2 minutes on 2 cores; README, "Development"): besides the tests marked
+# @pytest.mark.slow in their files, these take 4 s or more each on 2 busy cores (a whole module where it ends in
+# "::"). Measured with COWTUNE_TEST_TIMELINE on 2026-12-02; matched as a part of the test's id.
+SLOW_TESTS = (
+    "test_bad_inputs.py::test_a_disk_that_fills_mid_run_is_named_and_nothing_is_left_half_written",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[evaluate-json-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[final-out-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[final-storage-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[masks-out-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[promote-out-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[promote-unknown-search]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[search-running-already]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[search-storage-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[search-storage-on-a-read-only-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[train-out-on-a-full-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[train-out-on-a-read-only-disk]",
+    "test_bad_inputs.py::test_bad_input_is_refused_in_one_line_leaving_nothing[train-out-the-full-disk-itself]",
+    "test_benchmark.py::",
+    "test_bn_relu_pair.py::test_compiled_switched_block_is_the_eager_block",
+    "test_bn_relu_pair.py::test_gpu_check_of_the_kernels_runs_in_the_interpreter",
+    "test_bn_relu_pair.py::test_kernels_add_many_chunks_in_tiles",
+    "test_bn_relu_pair.py::test_kernels_give_the_formulas_gradients[4-32-8-8-2]",
+    "test_boundaries.py::test_search_driver_skips_the_compiler_stack",
+    "test_checkpoints.py::test_a_full_disk_leaves_the_last_checkpoint_intact",
+    "test_checkpoints.py::test_a_truncated_checkpoint_resumes_from_the_epoch_before_and_ends_where_an_undisturbed_run_does",
+    "test_cli.py::test_a_file_that_is_not_a_zip_is_named_as_such",
+    "test_cli.py::test_final_checks_its_datasets_before_ray_starts",
+    "test_cli.py::test_list_shows_registries",
+    "test_cli.py::test_masks_bad_option_is_one_clear_error_naming_the_option",
+    "test_cli.py::test_masks_gallery_and_npy",
+    "test_cli.py::test_train_runs_resumes_and_rejects_bad_input",
+    "test_compile_ahead.py::test_a_trial_after_compile_ahead_loads_every_graph",
+    "test_compile_ahead.py::test_bad_invocation_says_how_to_call_it",
+    "test_compile_lock.py::",
+    "test_conv_rows.py::test_batch_norm_relu_prologue_per_segment",
+    "test_conv_rows.py::test_forward_input_and_weight_gradients_match_pytorch[3-16-32-8-8-config0]",
+    "test_conv_rows.py::test_forward_input_and_weight_gradients_match_pytorch[5-64-32-8-4-config2]",
+    "test_conv_rows.py::test_weight_gradient_is_deterministic",
+    "test_data.py::test_compiled_augmentation_gives_the_eager_views",
+    "test_data.py::test_decode_in_worker_processes_matches_one_process",
+    "test_data.py::test_flip_off_never_flips_and_on_flips",
+    "test_data.py::test_train_view_is_a_window_of_the_padded_labeled_image",
+    "test_end_to_end.py::",
+    "test_evaluate.py::test_command_runs_as_a_user_runs_it",
+    "test_fast_conv.py::test_compiled_switched_layers_match_eager",
+    "test_fast_conv.py::test_cuda_kernels_of_the_operators_in_the_interpreter",
+    "test_fast_conv.py::test_operator_registrations_agree",
+    "test_fast_conv.py::test_switch_takes_biased_and_same_padded_layers",
+    "test_fast_conv.py::test_switched_shakeshake_computes_the_same",
+    "test_fast_path.py::test_compiled_step_matches_eager_step",
+    "test_fast_path.py::test_deferred_running_statistics_are_the_layers_own",
+    "test_fast_path.py::test_fast_path_learns_what_the_plain_path_learns_over_a_whole_schedule",
+    "test_imagenet_benchmark.py::test_smoke_mode_measures_each_input_and_says_where",
+    "test_imagenet_data_parallel.py::test_two_gloo_workers_on_jpeg_files_train_the_weights_of_one_process",
+    "test_imagenet_preset.py::test_cowtune_train_with_the_preset_starts_and_validates_on_an_imagenet_tree",
+    "test_inductor_options.py::test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward",
+    "test_legacy_checkpoints.py::test_a_run_stopped_in_the_old_layout_resumes_in_the_new",
+    "test_legacy_checkpoints.py::test_upgraded_optimizer_continues_the_old_run",
+    "test_search_inputs.py::test_every_child_run_logs_each_range_as_numeric_lo_and_hi_params",
+    "test_search_summary.py::test_a_grown_search_logs_its_new_best_as_the_next_step",
+    "test_search_summary.py::test_a_study_with_no_finished_trial_records_counts_and_no_best",
+    "test_search_summary.py::test_the_parent_run_carries_the_best_trial_a_description_and_the_study_plots",
+    "test_search_summary.py::test_too_few_trials_still_give_the_plots_that_can_be_drawn",
+    "test_stored_grad.py::test_compiled_gradients_are_unchanged_and_stored_in_the_traced_layout",
+    "test_stored_grad.py::test_registered_after_inductor_made_the_operator_a_fallback",
+    "test_stored_grad.py::test_shake_shake_block_with_its_input_gradient_stored_or_not",
+    "test_stored_grad.py::test_the_registration_keys_the_compile_caches",
+    "test_team_stack.py::",
+    "test_trainer.py::test_resume_is_bit_exact",
+    "test_trainer.py::test_resume_with_shake_shake_gates_is_bit_exact",
+    "test_trainer.py::test_running_out_of_memory_stops_the_run_in_one_line_naming_what_to_lower",
+    "test_wgrad_stream.py::test_switched_layers_under_autocast_and_compile_match",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Keeps the rule above: a test that uses a shared service outside the ``services`` scope would run beside the
     others on a second worker, with a second set of servers and a local Ray that may collide with theirs."""
     for item in items:
+        if any(part in item.nodeid for part in SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
+    whole_files = not config.option.keyword and all("::" not in a for a in config.args)
+    collected = {_stem(item.nodeid) + ".py" for item in items}
+    stale = [part for part in SLOW_TESTS if whole_files and part.partition("::")[0] in collected
+             and not any(part in item.nodeid for item in items)]
+    if stale:
+        raise pytest.UsageError(f"SLOW_TESTS in tests/conftest.py names tests that no longer exist: {', '.join(stale)}")
         used = sorted(SHARED_SERVICES & set(getattr(item, "fixturenames", ())))
         if used and xdist_scope(item.nodeid) != "services" and _stem(item.nodeid) not in OWN_NODES:
             raise pytest.UsageError(f"{item.nodeid} uses the shared {', '.join(used)}: add its module to "
