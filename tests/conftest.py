@@ -34,7 +34,7 @@ _GIVEN_PORTS: set[int] = set()
 # head, MLflow server and PostgreSQL) or a local Ray of its own (a search with embedded defaults) is in one scope,
 # so those run one at a time on one worker, as in a serial run. The cluster and team-stack tests start their own
 # Ray nodes on free ports and temporary folders, so they may run beside them.
-SERVICE_MODULES = {"test_bad_inputs", "test_compose", "test_confirm_more", "test_search", "test_search_asha", "test_search_confirm", "test_search_ddp",
+SERVICE_MODULES = {"test_bad_inputs", "test_compose", "test_search", "test_search_asha", "test_search_confirm", "test_search_ddp",
                    "test_search_progress", "test_search_resume", "test_search_summary", "test_tracking_outage"}
 SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: a local Ray inside
 

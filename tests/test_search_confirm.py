@@ -7,6 +7,10 @@ and a learning rate that learns (0.5). Both finalists and the paper's config the
 epochs of 12 steps spread a tiny model's seeds by up to 11 points, so the search file allows 20). On fresh
 seeds the lucky one is the paper's config run for run (the stage sets the seed), so its paired differences are all
 0 and it must not be promoted; the learning rate that learns must be, and `cowtune promote` writes it.
+
+Then `cowtune confirm --seeds 5` (``trainables.search.more_seeds``) brings the leader and the paper's config to 5
+seeds from the MLflow store: only those 4 runs train, the gate judges again over every seed, `cowtune promote`
+registers the median of the five, and the same command again trains nothing.
 """
 import json
 import sys
@@ -88,3 +92,77 @@ def test_the_better_config_wins_over_fresh_seeds_and_is_promoted(confirmed, sear
     assert "threads" not in promoted["train"] and "# gate: promoted" in text and "p_vs_paper" in text
     version = client.get_model_version_by_alias("confirm", "champion")
     assert client.get_run(version.run_id).data.tags["cowtune.candidate"] == record["winner"]
+
+
+# --- More seeds later: `cowtune confirm --search confirm --seeds 5` ---------------------------------------------------
+
+MORE = [*COWTUNE, "confirm"]
+
+
+def _parent_and_record(client, tmp):
+    exp = client.get_experiment_by_name("confirm")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    record = json.loads(open(client.download_artifacts(parent.info.run_id, "confirm.json", str(tmp))).read())
+    return parent, [r for r in runs if r.data.tags.get("cowtune.stage") == "confirm"], record
+
+
+@pytest.fixture(scope="module")
+def extended(confirmed, search_env):
+    tmp, _, client, _, runs, before = confirmed
+    out = run_checked([*MORE, "--search", "confirm", "--seeds", "5", "--concurrency", "1",
+                       "--storage", str(tmp / "ray")], search_env, tmp)
+    stage_before = [r for r in runs if r.data.tags.get("cowtune.stage") == "confirm"]
+    return tmp, client, (stage_before, before), _parent_and_record(client, tmp / "after"), out
+
+
+def test_more_seeds_train_only_the_missing_runs_of_the_leader_and_the_paper(extended):
+    _, _, (runs_before, before), (parent, runs, after), out = extended
+    assert len(runs_before) == 9 and before["seeds"] == [1, 2, 3]
+    old = {r.info.run_id for r in runs_before}
+    new = sorted((r.data.tags["cowtune.candidate"], r.data.params["seed"]) for r in runs if r.info.run_id not in old)
+    assert new == sorted((label, s) for label in ("paper", before["winner"]) for s in ("4", "5"))
+    rows = {r["label"]: r for r in after["rows"]}
+    assert after["seeds"] == [1, 2, 3, 4, 5]
+    assert sorted(rows["paper"]["objective"]) == sorted(rows[after["winner"]]["objective"]) == list("12345")
+    lucky = next(label for label in rows if label not in ("paper", after["winner"]))
+    assert sorted(rows[lucky]["objective"]) == list("123") and rows[lucky]["verdict"].startswith("not extended (3 seeds)")
+    for label, row in {r["label"]: r for r in before["rows"]}.items():   # the old seeds' values read back unchanged
+        assert all(rows[label]["objective"][s] == pytest.approx(v) for s, v in row["objective"].items())
+    winner = rows[after["winner"]]
+    assert after["winner"] == before["winner"] and winner["verdict"] == "promoted" and winner["p_value"] < 0.1
+    assert after["winner_config"]["optim"]["lr_per_256"] == GOOD_LR and after["metric"] == "val/error_teacher"
+    assert parent.data.tags["cowtune.confirm.runs"] == "13" and "seeds 1, 2, 3, 4, 5" in out.stdout
+    assert parent.data.metrics[f"confirm.{after['winner']}.p_vs_paper"] == pytest.approx(winner["p_value"])
+
+
+def test_promote_after_more_seeds_registers_the_median_of_the_five(extended, search_env):
+    tmp, client, _, (_, _, after), _ = extended
+    run_checked([*COWTUNE, "promote", "--search", "confirm", "--out", str(tmp / "promoted5.yaml")], search_env, tmp)
+    text = (tmp / "promoted5.yaml").read_text()
+    assert yaml.safe_load(text)["optim"]["lr_per_256"] == GOOD_LR and "over seeds 1, 2, 3, 4, 5" in text
+    row = next(r for r in after["rows"] if r["label"] == after["winner"])
+    median_seed = sorted(row["objective"], key=row["objective"].get)[2]
+    version = client.get_model_version_by_alias("confirm", "champion")
+    assert client.get_run(version.run_id).data.tags["cowtune.confirm_seed"] == median_seed
+
+
+def test_more_seeds_bad_requests_are_one_line(extended, search_env):
+    import subprocess
+
+    tmp = extended[0]
+    for argv, said in ((["--search", "confirm", "--seeds", "5", "--only", "nope"],
+                        "--only must name finalists of the stage"),
+                       (["--search", "nosuch", "--seeds", "5"], "Unknown search 'nosuch'"),
+                       (["--search", "confirm", "--seeds", "2"], "--seeds must be at least 3")):
+        out = subprocess.run([*MORE, *argv], env=search_env, cwd=tmp, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_more_seeds_again_trains_nothing_and_judges_the_same(extended, search_env):
+    tmp, client, _, (_, runs, after), _ = extended
+    out = run_checked([*MORE, "--search", "confirm", "--seeds", "5", "--storage", str(tmp / "ray")], search_env, tmp)
+    assert "every run of seeds 1-5 has finished; judging them again" in out.stdout
+    _, runs_again, again = _parent_and_record(client, tmp / "again")
+    assert len(runs_again) == len(runs) == 13 and again["winner"] == after["winner"]
+    assert [r["objective"] for r in again["rows"]] == [r["objective"] for r in after["rows"]]
