@@ -125,6 +125,10 @@ def test_final_trains_seeds_on_test_split_and_writes_table(search, search_env, m
                        "--storage", str(tmp / "ray"), "--out", str(tmp / "final")], search_env, tmp)
     table = (tmp / "final" / "final_table.md").read_text()
     assert table in out.stdout
+    # one line a run as it ends (issue 54: not Ray Tune's verbose output, 545 lines for 4 runs)
+    ended = [line for line in out.stdout.splitlines() if "] final " in line and " seed " in line]
+    assert len(ended) == 4 and all("imagefolder 20 labels" in line for line in ended), out.stdout
+    assert "Trial status" not in out.stdout and len(out.stdout.splitlines()) < 40, out.stdout
     row = [line for line in table.splitlines() if line.startswith("| imagefolder | 20 |")]
     assert len(row) == 1 and row[0].count("(n=2)") == 2          # CowMix and supervised, 2 seeds each
     client, parents, children = runs_of(mlflow_server, "fin")

@@ -61,7 +61,8 @@ def _cmd_final(args: argparse.Namespace) -> int:
         writable_folder(storage, "--storage", create=False)
     _, _, failed = run_final(args.config, args.datasets, args.labels, args.seeds, not args.no_supervised, args.set,
                              name, storage, out, args.cpus_per_trial,
-                             args.concurrency, args.ddp_workers, check_data=not args.skip_data_check)
+                             args.concurrency, args.ddp_workers, check_data=not args.skip_data_check,
+                             ray_output=args.ray_output)
     return 1 if failed else 0   # the table holds the runs that finished; the failed ones were listed
 
 
@@ -121,6 +122,7 @@ def add_search_commands(sub: argparse._SubParsersAction) -> None:
                    "(default: 1; ImageNet: every GPU, CPU: 2)")
     f.add_argument("--skip-data-check", action="store_true",
                    help="do not look for the data files on the driver (they exist only on the workers)")
+    f.add_argument("--ray-output", action="store_true", help="Ray Tune's own progress output (default: a line a run)")
     f.set_defaults(func=_cmd_final)
 
     u = sub.add_parser("upload", help="deliver the MLflow records trials kept while the tracking server was away")

@@ -195,7 +195,12 @@ def _train(plan: Any, args: Any, uri: str, experiment_id: str, parent_id: str, e
 
 class ConfirmProgress(progress.SearchProgress):
     """The search's quiet console (``trainables.search.progress``), with one line per run as it ends instead of the
-    table (the stage's own table follows at its end)."""
+    table (the stage's own table follows at its end). ``cowtune final`` prints its runs the same way (``stage``)."""
+
+    def __init__(self, name: str, metric: str, mode: str, full_epochs: int, params: list[str],
+                 stage: str = "confirm") -> None:
+        super().__init__(name, metric, mode, full_epochs, params)
+        self.stage = stage
 
     def setup(self, stop: Any = None, num_samples: int | None = None, total_num_samples: int | None = None,
               **info: Any) -> None:
@@ -210,19 +215,26 @@ class ConfirmProgress(progress.SearchProgress):
             if t.trial_id in self._recent:
                 spec, s = t.config[TRAIN_CONFIG], self._stats(t)
                 value = f"{self.metric} {s['last']:.4f}" if s.get("last") is not None else "no result"
-                lines.append(f"[{progress.fmt_time(time.monotonic() - self._start)}] confirm {done}/{len(trials)}: "
-                             f"{spec['label']} seed {spec['seed']}: {self.state(t)} at epoch {s.get('epoch') or 0}, "
-                             f"{value}")
+                lines.append(f"[{progress.fmt_time(time.monotonic() - self._start)}] {self.stage} {done}/{len(trials)}: "
+                             f"{describe(spec)}: {self.state(t)} at epoch {s.get('epoch') or 0}, {value}")
         lines += self._notes.values()
         if not lines:
-            lines = [f"[{progress.fmt_time(time.monotonic() - self._start)}] confirm: {done}/{len(trials)} runs done"]
+            lines = [f"[{progress.fmt_time(time.monotonic() - self._start)}] {self.stage}: {done}/{len(trials)} runs done"]
         print("\n".join(lines), flush=True)
         self._last_print, self._changed = time.monotonic(), False
         self._recent, self._notes = [], {}
 
     def summary(self, trials: list) -> str:
         n = self.counts(trials)
-        return f"confirm {self.name}: {n['terminated']} runs finished, {n['errored']} errored"
+        return f"{self.stage} {self.name}: {n['terminated']} runs finished, {n['errored']} errored"
+
+
+def describe(spec: dict[str, Any]) -> str:
+    """A run of the grid in words: a confirm run's config and seed, or a final run's dataset, labels and method."""
+    if "label" in spec:
+        return f"{spec['label']} seed {spec['seed']}"
+    labels = "all" if spec["labels"] == -1 else spec["labels"]
+    return f"{spec['dataset']} {labels} labels {spec['method']} seed {spec['seed']}"
 
 
 def _typical_run(uri: str, experiment_id: str, parent_id: str, c: Candidate) -> str | None:

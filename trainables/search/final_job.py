@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -12,7 +13,8 @@ from ray import tune
 
 from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
-from trainables.search import tracking
+from trainables.search import progress, tracking
+from trainables.search.confirm import ConfirmProgress
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
@@ -23,7 +25,7 @@ from trainables.validation import ConfigError, check
 def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | None, seeds: int, supervised: bool,
               overrides: list[str], name: str, storage: str, out_dir: str, cpus_per_trial: int = 1,
               concurrency: int | None = None, ddp_workers: int | None = None,
-              check_data: bool = True) -> tuple[list[dict[str, Any]], str, int]:
+              check_data: bool = True, ray_output: bool = False) -> tuple[list[dict[str, Any]], str, int]:
     try:
         promoted = yaml.safe_load(Path(config_path).read_text())
     except yaml.YAMLError as exc:   # one line naming the file, before anything starts
@@ -57,6 +59,8 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
         return trial_resources(spec[TRAIN_CONFIG]["config"]["model"], cpus_per_trial, gpus)
 
     trainable = tune.with_resources(train_trial, resources)
+    verbose = progress.verbose(SimpleNamespace(ray_output=ray_output))   # Ray Tune's output, or one line a run
+    shown = [] if ray_output else [ConfirmProgress(name, error_metric(runs[0]["config"]), "min", 0, [], stage="final")]
     print(f"final {name}: {len(runs)} runs ({method}{' + supervised' if supervised else ''} x {seeds} seeds); "
           f"MLflow {uri} (parent run {parent_id})" + (" [resuming]" if restoring else "") + (f"\n{notes}" if notes else ""),
           flush=True)
@@ -65,10 +69,11 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     else:
         tuner = tune.Tuner(trainable, param_space={TRAIN_CONFIG: tune.grid_search(runs), META: meta},
                            tune_config=tune.TuneConfig(reuse_actors=True, max_concurrent_trials=concurrency),
-                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1,
+                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=verbose,
                                                      failure_config=tune.FailureConfig(max_failures=2),
                                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                                                     callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0)]))
+                                                     callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0),
+                                                                *shown]))
     try:
         results = tuner.fit()
     except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
