@@ -49,6 +49,8 @@ def _cmd_final(args: argparse.Namespace) -> int:
 
     if not Path(args.config).exists():
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")
+    if args.ddp_workers is not None and args.ddp_workers < 1:
+        raise ConfigError(f"--ddp-workers must be >= 1 (GPUs per run), got {args.ddp_workers}")
     name = args.name or f"{Path(args.config).stem}-final"
     check_job_name(name)
     # each dataset's folder as an absolute path: the runs train in other folders (Ray's workers)

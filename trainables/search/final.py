@@ -21,7 +21,7 @@ from typing import Any
 
 from trainables.config import DataConfig, TrainConfig
 from trainables.data import check_source
-from trainables.data.sources import has_test_split
+from trainables.data.sources import check_dataset, has_test_split
 from trainables.presets import IMAGENET_PRESET, apply_overrides, read_config_file
 from trainables.trainer import check_names
 from trainables.validation import ConfigError, check, flatten
@@ -136,6 +136,8 @@ def final_configs(promoted: dict[str, Any], datasets: dict[str, str], labels: li
     promoted = TrainConfig.from_dict(promoted).to_dict()   # checked, and every section there (a hand-written one too)
     out = []
     for name, root in datasets.items():
+        if name != "imagenet":   # an ImageFolder tree read with the ImageNet preset; the rest by their loaders
+            check_dataset(name)
         known = PAPER.get(name)
         counts = labels or (sorted(known) if known else None)
         if counts is None:
