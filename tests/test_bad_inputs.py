@@ -460,7 +460,7 @@ CASES = [
          ("holds an image of floats (mode F), class1/zzz.tif, whose range cannot be told",)),
     Case("train-data-mixed-sizes", "cowtune", images(tree_with("class1/zzz.png", image=("RGB", (20, 16)))),
          ("data.root must hold images of one size for the device pipeline (first is 16x16, class1/zzz.png is "
-          "20x16); use --set data.pipeline=loader for mixed sizes",)),
+          "20x16); for mixed sizes use --set data.pipeline=loader --set data.image_size=20 --set data.workers=",)),
     Case("train-data-a-1x1-image", "cowtune", images(tree_with("class2/zzz.png", image=("RGB", (1, 1)))),
          ("data.root must hold images of one size", "class2/zzz.png is 1x1")),
     # the search script

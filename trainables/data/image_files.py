@@ -322,7 +322,7 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None,
             raise ConfigError(
                 f"data.root must hold images of one size for the device pipeline (first is "
                 f"{size[0]}x{size[1]}, {names[i]} is {bad[1][0]}x{bad[1][1]}); "
-                f"use --set data.pipeline=loader for mixed sizes, got {shown!r}")
+                f"for mixed sizes use {mixed_size_sets(size, bad[1])}, got {shown!r}")
         skipped.append(names[i])
         start = i + 1
     if skipped:
@@ -397,3 +397,11 @@ def _channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, 
         mean.append(m)
         std.append(max(float(math.sqrt((counts * (values - m) ** 2).sum() / counts.sum())), 1e-3))
     return tuple(mean), tuple(std)
+
+
+def mixed_size_sets(first: tuple[int, int], other: tuple[int, int]) -> str:
+    """The overrides that read a folder of mixed image sizes: the loader at the larger side seen (not 224 px, which
+    would upsample small images), with no more loader workers than this machine has cores."""
+    side = max(*first, *other)
+    workers = min(4, os.cpu_count() or 1)
+    return f"--set data.pipeline=loader --set data.image_size={side} --set data.workers={workers}"
