@@ -197,13 +197,14 @@ def train_step(r: StepRunner, k: Kernels, batch: Batch, gen: torch.Generator, lr
     # cross-entropy + omega_erase * d_erase + omega_mix * d_mix
     loss, stats = k.loss_terms(logits, z_logits, batch.y_sup if x_sup is not None else None, blend, cfg.perturb,
                                cfg.mix, numbers)
+    # The update: SGD on the student at this step's learning rate, then the teacher follows it
     for group in r.optimizer.param_groups:
         group["lr"] = lr
     r.optimizer.zero_grad(set_to_none=True)
     k.backward(loss)
     if r.grad_sync is not None:
         r.grad_sync(r.student)   # a data-parallel worker's all-reduce of the gradients
-    k.update(r.optimizer, r.pairs, alpha)   # SGD, then the teacher's EMA of the student
+    k.update(r.optimizer, r.pairs, alpha)   # teacher <- alpha * teacher + (1 - alpha) * student
     keys = list(stats)
     torch._foreach_add_([r.sums[key] for key in keys], [stats[key] for key in keys])   # one fused kernel
 
