@@ -174,7 +174,7 @@ def _plan_ss96_jpeg(epochs: int) -> dict[str, list[str]]:
     """Does the data hurt CowMix more than CowOut? The paper's model on the zip as given (quality 75) and re-encoded
     at quality 30 (make it first: benchmarks/reencode_jpeg.py .devdata/train.zip /tmp/cowtune-q30.zip --quality 30),
     supervised on every label, CowMix and CowOut: if CowMix's excess over the ceiling grows with the loss faster than
-    CowOut's, the JPEGs explain part of CowMix's excess (docs/RESULTS.md, tenth and eleventh leases). CutMix too:
+    CowOut's, the JPEGs explain part of CowMix's excess (docs/journal/2026-11-30.md). CutMix too:
     does box mixing pay the data's cost as CowMix does (it ends behind CowOut on WRN-28-2)?"""
     base = ["model=wrn26_6_shakeshake", *HOLDOUT, *_schedule(epochs), *FAST, "seed=0"]
     runs = {"sup": [*base, *SUPERVISED, "data.n_labeled=45000"], "cowmix": base,

@@ -43,7 +43,7 @@ wgrad_stream_shakeshake, step_sync and step_sync_shakeshake OK (on, and on and l
 against run ahead 0, switched and unswitched). Switched against unswitched shake-shake still far apart (a
 running variance 189 apart where the first run's largest is 205, after 6 bf16 steps), the same synced as run
 ahead: not a race, nor nondeterministic cuDNN; why a probe found the two runs bit-identical to step 5 is open
-(docs/performance.md). With the folded shake-shake teacher, the same day: losses_shakeshake OK (supervised
+(docs/journal/2026-11-27.md). With the folded shake-shake teacher, the same day: losses_shakeshake OK (supervised
 0.08%, CowMix 1.7%), folded_teacher OK (logits within 2.3e-4 float32, 5.4e-3 bf16). Under the shake-shake model's
 realize_reads_threshold 4, before the stored input gradients (NVIDIA H100, 2026-11-27): losses_shakeshake OK
 (supervised 0.068%, CowMix 1.73%), wgrad_stream_shakeshake OK (on, and on and late, against switched 0).

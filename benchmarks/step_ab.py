@@ -115,7 +115,7 @@ SWITCHES = {"eager-ema": ((Switches, "compile_ema"),), "one-update": ((Switches,
             "unpaired-inner-bn-relu": ((ShakeShakeBlock, "paired_inner_bn_relu"),)}
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
 # here and in VARIANTS; once measured, each either won its A/B run and is on by default, or was removed,
-# docs/performance.md)
+# docs/journal/2026-11-26.md to 2026-11-28.md)
 SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
