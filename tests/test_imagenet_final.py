@@ -91,6 +91,11 @@ def test_final_uses_the_preset_and_says_where_each_field_came_from(tmp_path):
     path, saved = save_table(tmp_path / "out", [{"dataset": "imagenet", "labels": -10, "method": "promoted", "seed": 0,
                                                  "error": 0.3}], "cowmix", table)
     assert "| imagenet | 10% | 30.00 ± 0.00 (n=1) |" in saved and "| optim.lr_per_256 |" in path.read_text()
+    _, top5 = save_table(tmp_path / "out5", [{"dataset": "imagenet", "labels": -10, "method": "promoted", "seed": s,
+                                              "error": e, "error5": e5} for s, e, e5 in ((0, 0.3, 0.1), (1, 0.32, 0.12))],
+                         "cowmix")
+    assert "| imagenet | 10% | 31.00 ± 1.41 (n=2) | - | 26.06 ± 0.17 | 42.91 |" in top5
+    assert "| ours: cowmix (top-5) |" in top5 and "| imagenet | 10% | 11.00 ± 1.41 (n=2) | - | 8.76 ± 0.07 | 22.12 |" in top5
 
 
 def test_the_ten_percent_subset_is_the_references_stratified_rule_on_a_tree(tmp_path):

@@ -35,7 +35,7 @@ from trainables.config import TrainConfig, check_batch_split
 from trainables.data import prepare_data
 from trainables.data.batches import TrainData
 from trainables.legacy_checkpoints import upgrade_optimizer_state
-from trainables.step import StepRunner, evaluate
+from trainables.step import Scores, StepRunner, evaluate
 from trainables.trainer import build_runner, choose_convolutions, train_epoch
 
 MASK_STREAM_STRIDE = 7919   # worker r draws its masks from stream seed + 7919 r (worker 0: the run's own)
@@ -103,8 +103,8 @@ def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
     metrics = _mean_over_workers(metrics)   # each worker's losses are its slice's: the whole batch's are their mean
     split = cfg.data.eval_split
     for name, model in (("teacher", rep.runner.teacher), ("student", rep.runner.student)):
-        err, loss = _sharded_eval(model, rep.data.eval_batches(split, cfg.train.eval_batch_size), rep)
-        metrics[M.eval_key(split, "error", name)], metrics[M.eval_key(split, "loss", name)] = err, loss
+        metrics.update(M.eval_metrics(split, name, _sharded_eval(model, rep.data.eval_batches(
+            split, cfg.train.eval_batch_size), rep)))
     metrics["world_size"] = rep.world
     metrics["replica_spread"] = _replica_spread(rep)
     return metrics
@@ -117,13 +117,16 @@ def state_dict(rep: Replica, epoch: int) -> dict[str, Any]:
             "optimizer": r.optimizer.state_dict(), "config": rep.cfg.to_dict()}
 
 
-def _sharded_eval(model: nn.Module, batches: Any, rep: Replica) -> tuple[float, float]:
+def _sharded_eval(model: nn.Module, batches: Any, rep: Replica) -> Scores:
     shard = [b for i, b in enumerate(batches) if i % rep.world == rep.rank]
-    err, loss = evaluate(model, shard, rep.runner.autocast, rep.runner.memory_format) if shard else (0.0, 0.0)
+    s = evaluate(model, shard, rep.runner.autocast, rep.runner.memory_format) if shard else Scores(0.0, 0.0)
     n = float(sum(y.shape[0] for _, y in shard))
-    total = torch.tensor([err * n, loss * n, n], dtype=torch.float64, device=_collective_device())
+    top5 = s.error5 is not None   # the same on every worker with a shard: the model's classes
+    total = torch.tensor([s.error * n, s.loss * n, (s.error5 or 0.0) * n, n, float(top5)], dtype=torch.float64,
+                         device=_collective_device())
     dist.all_reduce(total)
-    return float(total[0] / total[2]), float(total[1] / total[2])
+    return Scores(float(total[0] / total[3]), float(total[1] / total[3]),
+                  float(total[2] / total[3]) if total[4] > 0 else None)
 
 
 def _mean_over_workers(metrics: dict[str, float]) -> dict[str, float]:

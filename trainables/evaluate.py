@@ -251,8 +251,10 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
                               f"got a mismatch ({str(exc).splitlines()[0]})") from None
         with torch.no_grad():
             batches = pipeline.eval_batches("test", batch_size or cfg.train.eval_batch_size)
-            err, loss = evaluate(model.to(dev, memory_format=fmt), batches, autocast, fmt)
-        scores[name] = {"error": err, "loss": loss}
+            measured = evaluate(model.to(dev, memory_format=fmt), batches, autocast, fmt)
+        scores[name] = {"error": measured.error, "loss": measured.loss}
+        if measured.error5 is not None:
+            scores[name]["error5"] = measured.error5
 
     scored = "every class folder" if not images.folder else f"{images.folder}/"
     if images.ignored:
@@ -273,4 +275,5 @@ def _log_result(r: dict[str, Any], log: Callable[[str], None]) -> None:
     log(f"scored {r['images']} images of {r['data']}: {r['scored']}, {r['classes']} of the model's "
         f"{len(r['class_names'])} classes (class order and normalisation {r['normalisation']['source']})")
     for name in ("teacher", "student"):
-        log(f"{name}: error {100 * r[name]['error']:.2f}%  cross-entropy {r[name]['loss']:.4f}")
+        top5 = f"  top-5 error {100 * r[name]['error5']:.2f}%" if "error5" in r[name] else ""
+        log(f"{name}: error {100 * r[name]['error']:.2f}%{top5}  cross-entropy {r[name]['loss']:.4f}")

@@ -1,6 +1,8 @@
 """Metric names, defined once and shared by the trainer, the Tune trainable and MLflow."""
 from __future__ import annotations
 
+from typing import Any
+
 LOSS_SUP = "train/loss_sup"
 ERR_SUP = "train/error_sup"
 LOSS_CONS = "train/loss_cons"
@@ -25,6 +27,14 @@ STEP = "step"
 def eval_key(split: str, what: str, model: str) -> str:
     """e.g. eval_key("val", "error", "teacher") -> "val/error_teacher"."""
     return f"{split}/{what}_{model}"
+
+
+def eval_metrics(split: str, model: str, scores: Any) -> dict[str, float]:
+    """An evaluation's metrics (``step.Scores``): error, loss and, where measured, top-5 error ("val/error5_teacher")."""
+    out = {eval_key(split, "error", model): scores.error, eval_key(split, "loss", model): scores.loss}
+    if scores.error5 is not None:
+        out[eval_key(split, "error5", model)] = scores.error5
+    return out
 
 
 VAL_ERROR_TEACHER = eval_key("val", "error", "teacher")   # the search objective

@@ -324,9 +324,8 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
         train_time = time.monotonic() - t0
         for name, model in (("teacher", teacher), ("student", student)):
             with out_of_memory_stops(cfg, device, epoch + 1, "evaluation"):
-                err, loss = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
-            metrics[M.eval_key(split, "error", name)] = err
-            metrics[M.eval_key(split, "loss", name)] = loss
+                scores = evaluate(model, data.eval_batches(split, cfg.train.eval_batch_size), runner.autocast, fmt)
+            metrics.update(M.eval_metrics(split, name, scores))
         t_saved = time.monotonic()
         metrics[M.STEPS_PER_S] = steps_per_epoch / train_time
         metrics[M.IMAGES_PER_S] = steps_per_epoch * cfg.train.batch_size * (2 if cfg.method != "supervised" else 1) / train_time

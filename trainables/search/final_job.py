@@ -89,7 +89,9 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
             why = str(r.error).strip().splitlines()[-1] if r.error else f"no {key} reported"
             failed.append(f"  {run['dataset']} labels {run['labels']} {run['method']} seed {run['seed']}: {why[:300]}")
             continue
-        records.append(run | {"error": err, "split": spec["config"]["data"]["eval_split"]})
+        err5 = (r.metrics or {}).get(key.replace("/error_", "/error5_"))   # top-5: more than 10 classes
+        records.append(run | {"error": err, "split": spec["config"]["data"]["eval_split"]}
+                       | ({"error5": err5} if err5 is not None else {}))
     table = ""
     if records:
         path, table = save_table(Path(out_dir), records, method, notes)
