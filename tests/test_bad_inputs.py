@@ -847,7 +847,7 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(tmp_path, monkeypatch):
     files = D.load_raw(DataConfig(dataset="imagefolder", root=str(tmp_path / "tree"), pipeline="loader")).train_images
     assert np.array_equal(np.asarray(files.load(0)), raw.train_images[0])
 
-    from trainables.image_decode import decode_images, decode_range
+    from trainables.data.image_decode import decode_images, decode_range
     names = [p.relative_to(tmp_path / "tree").as_posix() for p in sorted((tmp_path / "tree").rglob("*.png"))]
     assert names[0] == "class0/000.png"
     for root in (tmp_path / "tree", _zip_tree(tmp_path / "tree", tmp_path / "tree.zip")):

@@ -385,9 +385,9 @@ def test_imagefolder_mixed_sizes_rejected_for_device(tmp_path, monkeypatch):
 
 
 def test_decode_in_worker_processes_matches_one_process(tmp_path):
-    """Large sets are decoded by ``python -m trainables.image_decode`` workers over contiguous ranges:
+    """Large sets are decoded by ``python -m trainables.data.image_decode`` workers over contiguous ranges:
     the same array as one process, from a folder and a zip, and a wrong-sized image found at its position."""
-    from trainables.image_decode import decode_images
+    from trainables.data.image_decode import decode_images
 
     tree = tmp_path / "tree"
     _write_tree(tree, classes=3, per_class=7, size=16, split_dirs=False)
@@ -478,7 +478,7 @@ def _zip_with_a_truncated_jpeg(path: Path, per_class: int = 100, bad: str = "tra
 @pytest.mark.parametrize("workers", [1, 2])
 def test_an_image_that_cannot_be_decoded_is_named(tmp_path, workers, monkeypatch):
     """A truncated JPEG: one line naming the file (in one process or several), not a traceback naming none."""
-    from trainables.image_decode import decode_images
+    from trainables.data.image_decode import decode_images
     root = _zip_with_a_truncated_jpeg(tmp_path / "bad.zip")
     names = sorted(n for n in zipfile.ZipFile(root).namelist() if n.endswith(".jpg"))
     _, bad = decode_images(str(root), names, (32, 32), workers)

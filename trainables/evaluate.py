@@ -26,7 +26,7 @@ from trainables.config import TrainConfig
 from trainables.data import (NORMALISATION, DeviceData, LoaderData, RawDataset, ScoredImages, Splits, data_record,
                              prepare_data, scored_images)
 from trainables.data.image_files import rescale_wide, unreadable
-from trainables.image_decode import UNREADABLE, decode_images
+from trainables.data.image_decode import UNREADABLE, decode_images
 from trainables.models import create_model
 from trainables.step import evaluate
 from trainables.trainer import CHECKPOINT
@@ -160,7 +160,7 @@ def eval_pipeline(images: ScoredImages, labels: np.ndarray, record: dict[str, An
 
 
 def decode_scored(images: ScoredImages, trained_hw: tuple[int, int], resized: bool) -> np.ndarray:
-    """uint8 (N, H, W, 3) of ``images``, decoded by ``trainables.image_decode`` (worker processes when many).
+    """uint8 (N, H, W, 3) of ``images``, decoded by ``trainables.data.image_decode`` (worker processes when many).
     Each must be ``trained_hw`` (H, W), or when the run ``resized`` its images, of the first one's size."""
     files = images.files
     try:

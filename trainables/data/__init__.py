@@ -25,7 +25,7 @@ Modules: ``sources`` (``RawDataset``, the ``DATASETS`` registry and its loaders)
 ``batches`` (``Batch``, ``TrainData``, random streams, normalisation), ``device`` (``DeviceData``),
 ``loader`` (``LoaderData``), ``gpu_decode`` (decoding and augmentation as tensor ops) and ``gpu_loader``
 (``DecodedData``). Their public names are re-exported here. Anything may import it; it imports only
-``trainables.validation``, ``trainables.file_locks`` and ``trainables.image_decode``.
+``trainables.validation``, ``trainables.file_locks`` and ``trainables.child_process`` (its decoding workers).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from trainables.validation import ConfigError, check
 if TYPE_CHECKING:
     from trainables.config import DataConfig
 
-MAY_IMPORT = ("trainables.validation", "trainables.file_locks", "trainables.image_decode")
+MAY_IMPORT = ("trainables.validation", "trainables.file_locks", "trainables.child_process")
 
 __all__ = [
     "Batch", "DATASETS", "DecodedData", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from trainables.file_locks import exclusive
-from trainables.image_decode import UNREADABLE, decode_images, default_workers, open_image
+from trainables.data.image_decode import UNREADABLE, decode_images, default_workers, open_image
 from trainables.validation import ConfigError, check
 
 _CACHE_VERSION = "2"   # 2: 16-bit greyscale images scaled to 8 bits, no longer clipped
@@ -304,7 +304,7 @@ def _decode_to_cache(path: Path, shown: str, train: FileImages, test: FileImages
 def _decode_all(files: FileImages, shown: str, workers: int | None = None,
                 skip: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(N, H, W, 3) uint8 and the (N,) indices of ``files`` they are, decoded by ``workers`` processes (default: by
-    the count, ``trainables.image_decode.default_workers``); every image must have the first image's size. A file
+    the count, ``trainables.data.image_decode.default_workers``); every image must have the first image's size. A file
     that cannot be decoded stops it, named, or with ``skip`` is left out and named."""
     names, parts, kept = [str(n) for n in files.names], [], []
     start, size = first_readable(files, shown, skip)   # the workers decode every image, the first included
@@ -338,7 +338,7 @@ def _decode_all(files: FileImages, shown: str, workers: int | None = None,
 def rescale_wide(files: FileImages, images: np.ndarray, kept: np.ndarray, shown: str,
                  field: str = "data.root") -> None:
     """Decode again, in place, the images of ``files`` (rows of ``images``: ``kept[row]``) that hold more than 8
-    bits a channel, which ``trainables.image_decode`` clipped: 16-bit greyscale scaled (``to_rgb``); a 32-bit or
+    bits a channel, which ``trainables.data.image_decode`` clipped: 16-bit greyscale scaled (``to_rgb``); a 32-bit or
     float image, whose range is unknown, is refused naming it. Only PNG headers (26 bytes), and TIFF and PGM
     headers are read: JPEG, BMP, GIF and WebP decode to 8 bits."""
     row = {int(i): r for r, i in enumerate(kept)}

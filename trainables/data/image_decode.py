@@ -84,7 +84,7 @@ def decode_images(root: str, names: Sequence[str], size: tuple[int, int], worker
     """``decode_range`` over all of ``names``, in contiguous ranges over ``workers`` processes (default
     ``default_workers``); the same result as one process, mismatch position included.
 
-    The workers are plain ``python -m trainables.image_decode`` processes, not a multiprocessing pool:
+    The workers are plain ``python -m trainables.data.image_decode`` processes, not a multiprocessing pool:
     its spawned workers would first import the caller's ``__main__`` (a search script importing Ray,
     MLflow and torch), and forking a process with threads running (a search driver) is unsafe."""
     names = [str(n) for n in names]
@@ -94,7 +94,7 @@ def decode_images(root: str, names: Sequence[str], size: tuple[int, int], worker
     bounds = np.linspace(0, len(names), workers + 1).astype(int)
     with tempfile.TemporaryDirectory(prefix="cowtune-decode-") as tmp:
         Path(tmp, "names.json").write_text(json.dumps(names), encoding="utf-8")
-        commands = [module_command("trainables.image_decode", root, f"{tmp}/names.json", str(a), str(b),
+        commands = [module_command("trainables.data.image_decode", root, f"{tmp}/names.json", str(a), str(b),
                                    str(size[0]), str(size[1]), f"{tmp}/{a}.npy") for a, b in zip(bounds[:-1], bounds[1:])]
         procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for argv, env in commands]
@@ -112,7 +112,7 @@ def decode_images(root: str, names: Sequence[str], size: tuple[int, int], worker
 
 
 def _worker(argv: list[str]) -> None:
-    """``python -m trainables.image_decode ROOT NAMES_FILE START END WIDTH HEIGHT OUT.npy``: decode one
+    """``python -m trainables.data.image_decode ROOT NAMES_FILE START END WIDTH HEIGHT OUT.npy``: decode one
     range to OUT.npy and print the mismatch (JSON, null when none)."""
     root, names_file, start, end, width, height, out = argv
     names = json.loads(Path(names_file).read_text(encoding="utf-8"))[int(start):int(end)]
