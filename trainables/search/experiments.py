@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
-from trainables.curves import CURVE_FILE, learning_curve_png
+from trainables.search.curves import CURVE_FILE, learning_curve_png
 from trainables.search import tracking
 from trainables.search.outbox import is_outage
 from trainables.search.job_settings import experiment_path, log_params, setting_params

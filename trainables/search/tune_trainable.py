@@ -23,7 +23,7 @@ from ray import tune
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.curves import CURVE_FILE, learning_curve_png
+from trainables.search.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
 from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
