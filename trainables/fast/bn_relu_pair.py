@@ -4,7 +4,7 @@ output, with a backward pass of three Triton kernels of our own (``ShakeShakeBlo
 Why: with one batch norm and one ReLU per branch, Inductor's backward kernels read each ReLU's output for its mask
 (2.8 GB a step in the WRN-26 shake-shake 96x2d, a sixth of the backward pass's Inductor bytes). Taking the mask
 from the batch norm's input instead, which the same kernels read anyway, made Inductor either store the masked
-gradient in float32 or recompute each channel's scale and shift for every element (docs/performance.md). Here:
+gradient in float32 or recompute each channel's scale and shift for every element (docs/journal/2026-11-28.md). Here:
 
 - ``_sums_kernel``: per segment and channel of both branches, partial sums of the masked gradient ``g`` and of
   ``g * xhat`` over a chunk of pixels, reading the stacked input ``y`` and the two branches' output gradients once;

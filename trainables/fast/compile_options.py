@@ -43,7 +43,7 @@ DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
 # blocks and each kernel of those blocks read every partial gradient again: the backward's Inductor kernels moved
 # 28 GB a step, one of them 1.7 GB. Under 4 it is stored every other block: the CowMix step 24.5 -> 26.1 steps/s
 # (H100, 2026-11-27, student and teacher together; the teacher, which has no backward, was not measured alone;
-# docs/performance.md). Since then ShakeShakeBlock.store_input_grad stores it at every block whatever the
+# docs/journal/2026-11-27.md). Since then ShakeShakeBlock.store_input_grad stores it at every block whatever the
 # threshold, and 4 still measured a little faster than 8 (26.4 against 26.2 steps/s, untuned).
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
 

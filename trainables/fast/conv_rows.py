@@ -30,7 +30,7 @@ Requirements (``supports`` says beforehand; a clear ``ValueError`` otherwise): N
 (channels_last) activations of float16, bfloat16 or float32; C a power of two >= 4, or 1-3 (an image's:
 the tile holds 4, the rest zero); K a multiple of 16; W a power of two; a tile of BM pixels (a power of
 two >= 16 and a multiple of W) and H divisible by the number of row bands. Measured (H100, bf16,
-CUDA-graph replay, L2 flushed; benchmarks/conv_rows_bench.py --table-only; docs/performance.md): at
+CUDA-graph replay, L2 flushed; benchmarks/conv_rows_bench.py --table-only; docs/journal/2026-11-27.md): at
 N=512, 32 channels, 32x32, forward 43.1 us against cuDNN's 63.6, input gradient 42.4 (61.2), weight
 gradient 68.8 (112.3); at 64 channels, 16x16, forward 34.4 (40.6) and input gradient 33.5 (35.0); the
 16 -> 32 convolution at 32x32: forward 29.5 (69.8), input gradient 36.9 (63.5), weight gradient 54.9

@@ -17,7 +17,7 @@ for a stem on the images). The kernels are deterministic
 The trainer switches a model when ``train.conv_kernels`` is "triton" (the default), each step is one
 CUDA graph (``train.cuda_graph: step``, the default on CUDA) and it trains on a GPU of the compute
 capability the table was measured on (9.x: H100, H200): in the captured WRN-28-2 CowMix step on an
-H100, 137.2 -> 155.7 steps/s (docs/performance.md).
+H100, 137.2 -> 155.7 steps/s (docs/journal/2026-11-27.md).
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ class TritonConv2d(nn.Conv2d):
 
     # also switch convolutions with a bias and the models' SameConv2d layers at stride 1: in the shake-shake WRN-26
     # 96x2d its stem and its first block's 16 -> 96 convolutions, which then run one by one, not stacked (H200: 28.5 ->
-    # 28.7 steps/s, docs/performance.md); in the 2x32d model, the stem and every stride-1 layer (32-128 channels:
+    # 28.7 steps/s, docs/journal/2026-11-28.md); in the 2x32d model, the stem and every stride-1 layer (32-128 channels:
     # the WRN-28-2 kernels' shapes; not measured in its step); off: nn.Conv2d without bias only (for A/B timings);
     # read when switching
     same_and_biased = True

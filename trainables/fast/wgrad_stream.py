@@ -205,7 +205,7 @@ def stream_eligible(m: nn.Module) -> bool:
     train to the same weights with the side stream on, on and late, and off (``gpu_checks.py
     wgrad_stream_shakeshake``); against the unswitched model they end far apart in that check, the same whether
     the host waits for the GPU after each step or not, with deterministic cuDNN: not a race; why a probe found
-    the two bit-identical to step 5 is not yet explained (docs/performance.md, the shake-shake change)."""
+    the two bit-identical to step 5 is not yet explained (docs/journal/2026-11-27.md, the shake-shake change)."""
     return (isinstance(m, nn.Conv2d) and not isinstance(m, tuple(SWITCHED_CONVS)) and m.bias is None
             and type(m)._conv_forward is nn.Conv2d._conv_forward and m.groups == 1 and m.dilation == (1, 1)
             and m.padding_mode == "zeros" and not isinstance(m.padding, str))

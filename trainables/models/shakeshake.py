@@ -61,7 +61,7 @@ def _branch(cin: int, cout: int, stride: int) -> nn.Sequential:
     # The inner BN + ReLU stays two modules: as one bn_relu it ran slower (H100: 1% on 2026-11-26; 1.6% on 2026-11-28
     # under realize_reads_threshold 8, where Inductor recomputes its masked gradient). On an H200 (2026-11-28) it moved
     # 2.8 GB a step less under 8 but was within noise (+0.7%), and 2.4% slower with its per-channel coefficients
-    # computed once under the model's 4 (docs/performance.md)
+    # computed once under the model's 4 (docs/journal/2026-11-28.md)
     return nn.Sequential(
         nn.ReLU(), _bn_fed_conv(cin, cout, stride), nn.BatchNorm2d(cout),
         nn.ReLU(), _bn_fed_conv(cout, cout, 1), nn.BatchNorm2d(cout))
