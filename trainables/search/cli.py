@@ -49,6 +49,12 @@ def _cmd_final(args: argparse.Namespace) -> int:
 
     if not Path(args.config).exists():
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")
+    if args.cpus_per_trial < 1:
+        raise ConfigError(f"--cpus-per-trial must be >= 1, got {args.cpus_per_trial}")
+    cores = os.cpu_count() or 1   # a local Ray has this machine's cores; a run asking more never starts
+    if not os.environ.get("RAY_ADDRESS") and args.cpus_per_trial > cores:
+        raise ConfigError(f"--cpus-per-trial must be at most this machine's {cores} cores (Ray would wait for them "
+                          f"for ever), got {args.cpus_per_trial}")
     if args.ddp_workers is not None and args.ddp_workers < 1:
         raise ConfigError(f"--ddp-workers must be >= 1 (GPUs per run), got {args.ddp_workers}")
     name = args.name or f"{Path(args.config).stem}-final"
