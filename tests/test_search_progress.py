@@ -363,3 +363,42 @@ def test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it(tmp
     again = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "done: 2 trials (0 failed)" in again.stdout, again.stderr[-3000:]
     assert "2 terminated, 0 pruned by ASHA, 0 errored" in again.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_final_in_one_line_and_kills_its_parent_run(tmp_path):
+    """SIGTERM to `cowtune final`'s driver (local Ray): Tune's clean stop, not Ray's stack dump; the summary counts
+    no run as finished, one line says how to resume, exit status 143, the MLflow parent run KILLED."""
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "p.yaml").write_text("model: cnn_tiny\nmix: {name: cowmix}\n"
+                                     "train: {epochs: 3, steps_per_epoch: 20, batch_size: 16}\n")
+    env = {k: v for k, v in without_engine_env(dict(os.environ)).items()
+           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "COWTUNE_STORAGE")}
+    env.update(PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "trainables.cli", "final", "--config", "p.yaml", "--datasets", "digits=x",
+           "--labels", "20", "--seeds", "2", "--no-supervised", "--set", "data.n_val=100", "--set",
+           "data.eval_split=val", "--name", "fin"]
+    driver = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in driver.stdout:   # the runs are being scheduled
+            if line.startswith("final fin: 2 runs"):
+                break
+        time.sleep(3)
+        driver.send_signal(signal.SIGTERM)
+        out, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 143, err[-3000:]
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "fin: stopped by SIGTERM; Ray saved its state: run the same command to resume"
+    assert "final fin stopped by SIGTERM: 0 of 2 runs finished" in out, out
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("fin").experiment_id])
+                 if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "KILLED"

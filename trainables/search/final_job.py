@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,7 +14,7 @@ from ray import tune
 
 from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
-from trainables.search import progress, tracking
+from trainables.search import interrupt, progress, tracking
 from trainables.search.confirm import ConfirmProgress
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
@@ -74,11 +75,17 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
                                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0),
                                                                 *shown]))
+    interrupt.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
     try:
         results = tuner.fit()
-    except BaseException:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes and re-opens it)
+    except BaseException:   # a second Ctrl-C, a Ray error: the parent run says so (the same command resumes it)
         tracking.finish_run(uri, parent_id, "FAILED")
         raise
+    if (by := interrupt.stopped_by()) is not None:   # Tune stopped the runs cleanly and saved its state
+        tracking.finish_run(uri, parent_id, "KILLED")
+        ray.shutdown()
+        print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)
+        raise SystemExit(143 if by == "SIGTERM" else 130)
     records, failed = [], []
     for r in results:
         spec = r.config[TRAIN_CONFIG]
