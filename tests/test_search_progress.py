@@ -323,9 +323,6 @@ def test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it(tmp
     """SIGTERM to a search's driver (local Ray, as a user starts it): no "*** SIGTERM received" stack dump from Ray's
     core (exit 134), but Tune's clean stop: the progress summary says it, one line says how to resume, exit status
     143, the MLflow parent run KILLED; the same command then finishes both trials."""
-    import signal
-    import time
-
     from mlflow.tracking import MlflowClient
 
     from conftest import ROOT
@@ -335,22 +332,8 @@ def test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it(tmp
     env.update(PYTHONUNBUFFERED="1", COWTUNE_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--smoke-test", "--trials", "2",
            "--no-confirm", "--no-compile-ahead", "--name", "term", "--storage", str(tmp_path / "ray")]
-    driver = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in driver.stdout:   # the table's first line: the trials are being scheduled
-            lines.append(line)
-            if "a progress table every" in line:
-                break
-        time.sleep(3)
-        driver.send_signal(signal.SIGTERM)
-        out, err = driver.communicate(timeout=120)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    out = "".join(lines) + out
-    assert driver.returncode == 143, err[-3000:]
+    returncode, out, err = sigterm_once_started(cmd, env, tmp_path, "a progress table every")   # trials scheduled
+    assert returncode == 143, err[-3000:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     assert err.splitlines()[-1] == "term: stopped by SIGTERM; Ray saved its state: run the same command to resume"
     assert "Experiment has been interrupted" not in err and "Stop signal received" not in err, err[-3000:]
@@ -369,9 +352,6 @@ def test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it(tmp
 def test_sigterm_stops_a_final_in_one_line_and_kills_its_parent_run(tmp_path):
     """SIGTERM to `cowtune final`'s driver (local Ray): Tune's clean stop, not Ray's stack dump; the summary counts
     no run as finished, one line says how to resume, exit status 143, the MLflow parent run KILLED."""
-    import signal
-    import time
-
     from mlflow.tracking import MlflowClient
 
     (tmp_path / "p.yaml").write_text("model: cnn_tiny\nmix: {name: cowmix}\n"
@@ -382,10 +362,28 @@ def test_sigterm_stops_a_final_in_one_line_and_kills_its_parent_run(tmp_path):
     cmd = [sys.executable, "-m", "trainables.cli", "final", "--config", "p.yaml", "--datasets", "digits=x",
            "--labels", "20", "--seeds", "2", "--no-supervised", "--set", "data.n_val=100", "--set",
            "data.eval_split=val", "--name", "fin"]
-    driver = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    returncode, out, err = sigterm_once_started(cmd, env, tmp_path, "final fin: 2 runs")   # runs scheduled
+    assert returncode == 143, err[-3000:]
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == "fin: stopped by SIGTERM; Ray saved its state: run the same command to resume"
+    assert "final fin stopped by SIGTERM: 0 of 2 runs finished" in out, out
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("fin").experiment_id])
+                 if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "KILLED"
+
+
+def sigterm_once_started(cmd, env, cwd, ready: str) -> tuple[int, str, str]:
+    """Start ``cmd``, SIGTERM it 3 s after a line of its stdout contains ``ready``; (exit status, stdout, stderr)."""
+    import signal
+    import time
+
+    driver = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for line in driver.stdout:   # the runs are being scheduled
-            if line.startswith("final fin: 2 runs"):
+        lines = []
+        for line in driver.stdout:
+            lines.append(line)
+            if ready in line:
                 break
         time.sleep(3)
         driver.send_signal(signal.SIGTERM)
@@ -394,11 +392,4 @@ def test_sigterm_stops_a_final_in_one_line_and_kills_its_parent_run(tmp_path):
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-    assert driver.returncode == 143, err[-3000:]
-    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
-    assert err.splitlines()[-1] == "fin: stopped by SIGTERM; Ray saved its state: run the same command to resume"
-    assert "final fin stopped by SIGTERM: 0 of 2 runs finished" in out, out
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (parent,) = [r for r in client.search_runs([client.get_experiment_by_name("fin").experiment_id])
-                 if "mlflow.parentRunId" not in r.data.tags]
-    assert parent.info.status == "KILLED"
+    return driver.returncode, "".join(lines) + out, err
