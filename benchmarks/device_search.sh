@@ -25,6 +25,10 @@ site() {   # the bundle's PYTHONPATH (install reuses what an earlier call of thi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$CODE
 }
 
+copy_code() {   # the code away from the tree the next call replaces
+    rm -rf $CODE && mkdir -p $CODE $S && cp -r trainables search_spaces benchmarks pyproject.toml $CODE/
+}
+
 store_out() {   # the MLflow store to $OUT (no checkpoints), and the log's tail
     [ -n "${OUT:-}" ] || return 0
     (cd $S && tar -czf "$OUT/store.tar.gz" --exclude='*checkpoint*' --exclude='*.pt' mlflow.db mlartifacts mlruns 2>/dev/null || true)
@@ -39,7 +43,7 @@ install)
     ;;
 start)
     [ "${1:-}" = "--" ] && shift
-    rm -rf $CODE && mkdir -p $CODE $S && cp -r trainables search_spaces benchmarks pyproject.toml $CODE/
+    copy_code
     git rev-parse HEAD > $CODE/COMMIT 2>/dev/null || echo unknown > $CODE/COMMIT
     site
     cp .devdata/train.zip $S/
@@ -63,7 +67,7 @@ finish)
     ;;
 confirm)
     store=${1:?the store tarball}; name=${2:?the search name}; seeds=${3:?seeds in all}; shift 3
-    rm -rf $CODE && mkdir -p $CODE $S && cp -r trainables search_spaces benchmarks pyproject.toml $CODE/
+    copy_code
     site
     cp .devdata/train.zip $S/ && tar -xzf "$store" -C $S
     cd $S
