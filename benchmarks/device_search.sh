@@ -3,7 +3,7 @@
 # copies the working tree again at every call. Each call runs one step, from the repository root there:
 #
 #   carry [".devbundle/site.tar.xz"]:  bash benchmarks/device_search.sh install
-#   carry [".devdata"]:                bash benchmarks/device_search.sh start  -- ARGS of search_spaces/cifar10_cowmix.py
+#   carry [".devdata"]:                COWTUNE_COMMIT=<sha> bash benchmarks/device_search.sh start  -- ARGS of search_spaces/cifar10_cowmix.py
 #   (no carry):                        bash benchmarks/device_search.sh poll   # prints progress, copies the store
 #   (no carry):                        bash benchmarks/device_search.sh finish NAME   # promote, copy everything
 #   carry [".devdata", "<store>"]:     bash benchmarks/device_search.sh confirm STORE_TAR NAME N   # more seeds
@@ -23,10 +23,13 @@ site() {   # the bundle's PYTHONPATH (install reuses what an earlier call of thi
         eval "$(python3 "$REPO/benchmarks/device_bundle.py" install --target /tmp/site)"
     fi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$CODE
+    if [ -f $CODE/COMMIT ]; then export COWTUNE_COMMIT=$(cat $CODE/COMMIT); fi   # the runs' mlflow.source.git.commit
 }
 
 copy_code() {   # the code away from the tree the next call replaces
     rm -rf $CODE && mkdir -p $CODE $S && cp -r trainables search_spaces benchmarks pyproject.toml $CODE/
+    # the device's copy has no .git: the caller says which commit (COWTUNE_COMMIT=<sha> bash ... start ...)
+    echo "${COWTUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" > $CODE/COMMIT
 }
 
 store_out() {   # the MLflow store to $OUT (no checkpoints), and the log's tail
@@ -44,7 +47,6 @@ install)
 start)
     [ "${1:-}" = "--" ] && shift
     copy_code
-    git rev-parse HEAD > $CODE/COMMIT 2>/dev/null || echo unknown > $CODE/COMMIT
     site
     cp .devdata/train.zip $S/
     cd $S

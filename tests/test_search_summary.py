@@ -121,3 +121,28 @@ def test_the_link_opens_the_runs_table_in_a_new_browser(mlflow_server, tmp_path)
                                   "the runs table of the model-training view")
         assert "workflowType=machine_learning" in page.url and f"/experiments/{experiment_id}/runs" in page.url
         assert "Evaluation runs" not in page.evaluate("() => document.body.innerText")   # the GenAI side bar's
+
+
+def test_a_tree_copied_without_its_git_takes_its_commit_from_the_environment(tmp_path, monkeypatch):
+    """A GPU machine's copy of the code has no .git: the runs' commit comes from $COWTUNE_COMMIT, not 'unknown'."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import trainables
+    shutil.copytree(Path(trainables.__file__).parent, tmp_path / "trainables",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    ask = [sys.executable, "-c", "from trainables.search.tracking import git_sha; print(git_sha())"]
+    env = {k: v for k, v in os.environ.items() if k not in ("COWTUNE_COMMIT", "PYTHONPATH", "GIT_DIR")}
+    env["GIT_CEILING_DIRECTORIES"] = str(tmp_path.parent)   # no repository above the copy either
+    run = lambda extra: subprocess.run(ask, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True,
+                                       check=True).stdout.strip()
+    assert run({}) == "unknown"
+    assert run({"COWTUNE_COMMIT": "a15b306"}) == "a15b306"
+    here = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(trainables.__file__).parent).stdout.strip()
+    from trainables.search import tracking
+    monkeypatch.setenv("COWTUNE_COMMIT", "a15b306")
+    assert len(here) == 40 and tracking.git_sha() == here   # in the repository itself git answers first

@@ -33,11 +33,13 @@ def is_embedded(uri: str) -> bool:
 
 
 def git_sha() -> str:
+    """The code's commit; in a copy of the tree without its .git (a GPU machine's), $COWTUNE_COMMIT says which."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        sha = ""
+    return sha or os.environ.get("COWTUNE_COMMIT", "unknown")
 
 
 def ensure_experiment(uri: str, name: str, workdir: str | Path | None = None) -> str:
