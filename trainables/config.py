@@ -39,8 +39,12 @@ class DataConfig:
                                       # the files' bytes (decode device)
     decode: str = "auto"              # large-image files: "pil" (PIL in DataLoader workers, on the host), "device"
                                       # (torchvision's decode_jpeg on the training device, nvJPEG on a GPU, and
-                                      # the augmentation there as batched tensor ops), "auto" (device on cuda when
-                                      # the files are JPEGs, else pil); docs/imagenet.md
+                                      # the augmentation there as batched tensor ops), "hybrid" (each batch split
+                                      # between the two, data.cpu_fraction), "auto" (hybrid by a rule on cuda when
+                                      # the files are JPEGs, else pil); docs/imagenet.md section 5
+    cpu_fraction: float | None = None  # decode hybrid: the share of each batch's images PIL decodes in the workers
+                                      # (the rest on the device), by position, the same every step; None: the
+                                      # rule that decode auto uses (trainables.data.hybrid_loader.auto_cpu_fraction)
     unreadable: str = "stop"          # an image file that cannot be decoded: "stop" (named, nothing trains) or
                                       # "skip" (left out, each named; small images decoded once only)
 
@@ -54,7 +58,12 @@ class DataConfig:
         check(self.image_size is None or self.image_size >= 8, "data.image_size", "be >= 8 or null", self.image_size)
         check(self.pipeline in ("auto", "device", "loader"), "data.pipeline", "be 'auto', 'device' or 'loader'", self.pipeline)
         check(self.workers >= 0, "data.workers", "be >= 0", self.workers)
-        check(self.decode in ("auto", "pil", "device"), "data.decode", "be 'auto', 'pil' or 'device'", self.decode)
+        check(self.decode in ("auto", "pil", "device", "hybrid"), "data.decode", "be 'auto', 'pil', 'device' or "
+              "'hybrid'", self.decode)
+        check(self.cpu_fraction is None or 0 <= self.cpu_fraction <= 1, "data.cpu_fraction", "be in [0, 1] or null",
+              self.cpu_fraction)
+        check(self.cpu_fraction is None or self.decode == "hybrid", "data.cpu_fraction",
+              f"be null unless data.decode is 'hybrid' (data.decode is '{self.decode}')", self.cpu_fraction)
         check(self.unreadable in ("stop", "skip"), "data.unreadable", "be 'stop' or 'skip'", self.unreadable)
 
 

@@ -10,8 +10,10 @@ dataset from the ``DATASETS`` registry, carves the validation holdout and the la
 * ``LoaderData`` (large images, ImageFolder/ImageNet layout): files are read lazily by a
   DataLoader; inception crop + flip (+ colour jitter) per sample, as in the reference ImageNet
   pipeline (``data.decode: pil``).
-* ``DecodedData`` (large JPEGs, ``data.decode: device``, the default on a GPU): the same images and
-  augmentation rules, decoded (nvJPEG) and augmented as batched tensor ops on the training device.
+* ``DecodedData`` (large JPEGs, ``data.decode: device``): the same images and augmentation rules, decoded
+  (nvJPEG) and augmented as batched tensor ops on the training device.
+* ``HybridData`` (large JPEGs, ``data.decode: hybrid``, and ``auto`` on a GPU): each batch split by position
+  between the two, ``data.cpu_fraction`` of it by PIL in the workers, the rest on the device.
 
 Determinism: ``train_batches(epoch, seed, ...)`` is a pure function of the data and its
 arguments. It derives its own generators from (seed, epoch, stream) and never reads the global
@@ -23,8 +25,8 @@ Salimans, arXiv:2003.12022, and its published code (``milking_cowmask/data_sourc
 Modules: ``sources`` (``RawDataset``, the ``DATASETS`` registry and its loaders), ``image_files``
 (ImageFolder trees and zips, decode cache), ``splits`` (``make_splits`` and split hashes),
 ``batches`` (``Batch``, ``TrainData``, random streams, normalisation), ``device`` (``DeviceData``),
-``loader`` (``LoaderData``), ``gpu_decode`` (decoding and augmentation as tensor ops) and ``gpu_loader``
-(``DecodedData``). Their public names are re-exported here. Anything may import it; it imports only
+``loader`` (``LoaderData``), ``gpu_decode`` (decoding and augmentation as tensor ops), ``gpu_loader``
+(``DecodedData``) and ``hybrid_loader`` (``HybridData``). Their public names are re-exported here. Anything may import it; it imports only
 ``trainables.validation``, ``trainables.file_locks`` and ``trainables.child_process`` (its decoding workers).
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from trainables.data.batches import Batch, TrainData, data_record, epoch_order, normalise, stream_seed
 from trainables.data.device import DeviceData, crop_flip_params, gather_crops, window_indices
 from trainables.data.gpu_loader import DecodedData, first_is_jpeg
+from trainables.data.hybrid_loader import HybridData, auto_cpu_fraction, host_rows
 from trainables.data.image_files import FileImages, ScoredImages, scored_images
 from trainables.data.loader import (EVAL_CROP, INCEPTION_RATIO, INCEPTION_SCALE, LOADER_IMAGE_SIZE, LoaderData,
                                     eval_view, inception_box, train_view)
@@ -53,12 +56,13 @@ if TYPE_CHECKING:
 MAY_IMPORT = ("trainables.validation", "trainables.file_locks", "trainables.child_process")
 
 __all__ = [
-    "Batch", "DATASETS", "DecodedData", "DeviceData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
+    "Batch", "DATASETS", "DecodedData", "DeviceData", "HybridData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
     "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
     "ScoredImages", "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_dataset", "check_source",
-    "crop_flip_params", "data_record", "decode_on_device", "epoch_order",
+    "auto_cpu_fraction", "crop_flip_params", "data_record", "epoch_order", "host_rows",
     "eval_view", "gather_crops", "inception_box", "load_raw", "make_splits", "normalise", "prepare_data",
-    "register_dataset", "scored_images", "stream_seed", "train_size", "train_view", "warm_decode_cache",
+    "register_dataset", "resolve_decode", "scored_images", "stream_seed", "train_size", "train_view",
+    "warm_decode_cache",
     "window_indices",
 ]
 
@@ -111,26 +115,31 @@ def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device,
     if on_device:
         return DeviceData(raw, splits, flip, cfg.pad, device, cfg.image_size, compiled=compiled)
     if isinstance(raw.train_images, np.ndarray):
-        check(cfg.decode != "device", "data.decode", f"be 'auto' or 'pil' for dataset '{cfg.dataset}' (its images "
+        check(cfg.decode not in ("device", "hybrid"), "data.decode", f"be 'auto' or 'pil' for dataset '{cfg.dataset}' (its images "
               "are in memory, not files to decode)", cfg.decode)
         size = cfg.image_size or raw.train_images.shape[1]   # in-memory small images: native size
         return LoaderData(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device)
     size = cfg.image_size or LOADER_IMAGE_SIZE
-    on_gpu, note = decode_on_device(cfg.decode, raw.train_images, device)
-    pipeline = DecodedData if on_gpu else LoaderData
-    data = pipeline(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device)
+    decode, note = resolve_decode(cfg.decode, raw.train_images, device)
+    if decode == "hybrid":
+        data = HybridData(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device, cfg.cpu_fraction,
+                          rule=cfg.decode)
+    else:
+        pipeline = DecodedData if decode == "device" else LoaderData
+        data = pipeline(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device)
     data.note = note
     return data
 
 
-def decode_on_device(decode: str, files: FileImages, device: torch.device) -> tuple[bool, str]:
-    """``data.decode`` resolved for these files on this device: (decode on the device?, a note for the log line
-    when "auto" chose PIL on a GPU)."""
+def resolve_decode(decode: str, files: FileImages, device: torch.device) -> tuple[str, str]:
+    """``data.decode`` resolved for these files on this device: ("pil", "device" or "hybrid", a note for the log
+    line when "auto" chose PIL on a GPU). "auto": hybrid on cuda when the files are JPEGs (its share by
+    ``auto_cpu_fraction``), else pil."""
     if decode != "auto":
-        return decode == "device", ""
+        return decode, ""
     if device.type != "cuda":
-        return False, ""
+        return "pil", ""
     if first_is_jpeg(files):
-        return True, ""
-    return False, (f"; data.decode auto: {files.names[0]} is not a JPEG, so PIL decodes on the host "
-                   "(data.decode device takes JPEGs on the GPU and other files on the host)")
+        return "hybrid", ""
+    return "pil", (f"; data.decode auto: {files.names[0]} is not a JPEG, so PIL decodes on the host "
+                   "(data.decode device or hybrid takes JPEGs on the GPU and other files on the host)")

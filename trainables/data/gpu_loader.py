@@ -57,13 +57,29 @@ class DecodedData(LoaderData):
         return self._decode(list(self._pool.map(lambda i: G.read_bytes(files, int(i)), idx)))
 
     def _views(self, images: list[Tensor], u: Tensor, flips: Tensor, jitter: tuple[Tensor, Tensor]) -> Tensor:
-        """Inception crops of ``images`` -> normalised float32 (n, 3, S, S) on the device."""
+        """Inception crops of ``images`` -> uint8 (n, 3, S, S) on the device, not yet normalised."""
         x = G.crop_resize(images, G.inception_boxes(G.image_sizes(images), u), self.image_size)
         if self.flip:
             x = G.flip_(x, flips)
         if self.colour_jitter:
             x = G.colour_jitter(x, *jitter)
-        return normalise(G.to_uint8(x), self._scale, self._shift)
+        return G.to_uint8(x)
+
+    def _train_views(self, seed: int, epoch: int, s: int, batch_size: int, views: int, cols: slice | Tensor,
+                     sup_rows: np.ndarray, unsup_rows: np.ndarray) -> list[Tensor]:
+        """Step ``s``'s views (labeled, unlabeled, [unlabeled again]) of the batch's columns ``cols``, uint8
+        (len(cols), 3, S, S) each. The crops, flips and jitter are drawn for the whole batch of ``batch_size`` from
+        one CPU generator, then cut to ``cols``: a column's images are the same whichever columns are asked for
+        (a data-parallel worker's slice, or the rows ``HybridData`` leaves to the device)."""
+        gen = torch.Generator().manual_seed(stream_seed(seed, epoch, f"augment-step{s}"))
+        u = G.crop_uniforms(views * batch_size, gen).view(views, batch_size, -1, 4)[:, cols]
+        flips = (torch.rand((views, batch_size), generator=gen) < 0.5)[:, cols]
+        factors, perm = G.jitter_params(views * batch_size, gen)
+        factors = factors.view(views, batch_size, 4)[:, cols]
+        perm = perm.view(views, batch_size, 4)[:, cols]
+        sup_images, unsup_images = self._read("train", sup_rows), self._read("train", unsup_rows)
+        return [self._views(imgs, u[v], flips[v], (factors[v], perm[v]))
+                for v, imgs in enumerate((sup_images, unsup_images, unsup_images)[:views])]
 
     def train_batches(self, epoch: int, seed: int, batch_size: int, steps: int,
                       augment_twice: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
@@ -75,17 +91,10 @@ class DecodedData(LoaderData):
         views = 3 if augment_twice else 2
 
         def make(s: int) -> Batch:
-            gen = torch.Generator().manual_seed(stream_seed(seed, epoch, f"augment-step{s}"))
             # the whole batch's draws, then this shard's rows: the same images whatever the number of workers
-            u = G.crop_uniforms(views * batch_size, gen).view(views, batch_size, -1, 4)[:, first:first + b]
-            flips = (torch.rand((views, batch_size), generator=gen) < 0.5)[:, first:first + b]
-            factors, perm = G.jitter_params(views * batch_size, gen)
-            factors = factors.view(views, batch_size, 4)[:, first:first + b]
-            perm = perm.view(views, batch_size, 4)[:, first:first + b]
             rows = slice(s * batch_size + first, s * batch_size + first + b)
-            sup_images, unsup_images = self._read("train", sup[rows]), self._read("train", unsup[rows])
-            x = [self._views(imgs, u[v], flips[v], (factors[v], perm[v]))
-                 for v, imgs in enumerate((sup_images, unsup_images, unsup_images)[:views])]
+            x = [normalise(v, self._scale, self._shift) for v in
+                 self._train_views(seed, epoch, s, batch_size, views, slice(first, first + b), sup[rows], unsup[rows])]
             y = torch.from_numpy(self._labels["train"][sup[rows]]).to(self.device, non_blocking=True)
             return Batch(x[0], y, x[1], x[2] if augment_twice else x[1])
         return _prefetched(make, steps, self.device)
