@@ -734,6 +734,19 @@ CASES = [
     Case("evaluate-json-is-a-folder", "cowtune",
          lambda t: ["evaluate", "--checkpoint", checkpoint(t), "--data", str(colour_tree(t)), "--json", str(t.tmp)],
          ("--json", "is a folder: give a file name")),
+    Case("train-decode-unknown", "cowtune", digits("data.decode=gpu"),
+         ("data.decode must be 'auto', 'pil', 'device' or 'hybrid', got 'gpu'",)),
+    Case("train-cpu-fraction-above-one", "cowtune", digits("data.decode=hybrid", "data.cpu_fraction=1.5"),
+         ("data.cpu_fraction must be in [0, 1] or null, got 1.5",)),
+    Case("train-cpu-fraction-negative", "cowtune", digits("data.decode=hybrid", "data.cpu_fraction=-0.1"),
+         ("data.cpu_fraction must be in [0, 1] or null, got -0.1",)),
+    Case("train-cpu-fraction-not-a-number", "cowtune", digits("data.decode=hybrid", "data.cpu_fraction=most"),
+         ("data.cpu_fraction must be a number, got 'most'",)),
+    Case("train-cpu-fraction-without-hybrid", "cowtune", digits("data.decode=device", "data.cpu_fraction=0.5"),
+         ("data.cpu_fraction must be null unless data.decode is 'hybrid' (data.decode is 'device'), got 0.5",)),
+    Case("train-hybrid-decode-of-in-memory-images", "cowtune", digits("data.pipeline=loader", "data.decode=hybrid"),
+         ("data.decode must be 'auto' or 'pil' for dataset 'digits' (its images are in memory, not files to decode), "
+          "got 'hybrid'",)),
 ]
 
 
