@@ -1,11 +1,12 @@
 """The large-image pipeline on the device (``trainables.data.gpu_decode``, ``DecodedData``), run here on CPU tensors,
-against the PIL path (``trainables.data.loader``) by the statistics of what each produces, on real JPEG files.
+against the PIL path (``trainables.data.loader``) by the statistics of what each produces, on real JPEG files; and the
+hybrid of the two (``HybridData``, ``data.decode: hybrid``): its rows are each path's own rows, bit for bit.
 
 Tolerances (stated once): crop area and aspect distributions, two-sample Kolmogorov-Smirnov distance < 0.06 over
 2,000 crops each (the 0.1% critical value is 0.062); flip rate 0.5 +- 0.04 over 2,000; the same crop resized by
 both: mean absolute difference < 1 grey level of 255; the whole train view over 384 random crops: per-channel mean
 within 4 standard errors (of the per-crop means) + 0.5 levels and std within 5%; the eval view: mean absolute
-difference < 2 levels.
+difference < 2 levels; the hybrid batch's host rows against its device rows over 384 views: as the train views.
 """
 from __future__ import annotations
 
@@ -182,14 +183,14 @@ def test_the_device_path_is_chosen_by_data_decode_and_keeps_the_loader_paths_ord
                                     workers=0, image_size=64)
     pil, ours = D.prepare_data(cfg("pil"), 0, CPU), D.prepare_data(cfg("device"), 0, CPU)
     auto = D.prepare_data(cfg("auto"), 0, CPU)   # auto on a CPU: PIL
-    assert type(pil) is D.LoaderData and type(auto) is D.LoaderData and isinstance(ours, D.DecodedData)
-    assert D.decode_on_device("auto", ours._files["train"], torch.device("cuda")) == (True, "")
+    assert type(pil) is D.LoaderData and type(auto) is D.LoaderData and type(ours) is D.DecodedData
+    assert D.resolve_decode("auto", ours._files["train"], torch.device("cuda")) == ("hybrid", "")
     assert "decoded on cpu (libjpeg" in ours.describe() and ours.pipeline == "loader"
     (a,), (b,) = list(pil.train_batches(0, 0, 8, 1, False)), list(ours.train_batches(0, 0, 8, 1, False))
     assert torch.equal(a.y_sup, b.y_sup) and b.x_sup.shape == (8, 3, 64, 64) and b.x_unsup1 is b.x_unsup0
     ((xa, ya),), ((xb, yb),) = list(pil.eval_batches("val", 10)), list(ours.eval_batches("val", 10))
     assert torch.equal(ya, yb) and (xa - xb).abs().mean() < 0.05                   # normalised units
-    with pytest.raises(ConfigError, match="data.decode must be 'auto', 'pil' or 'device'"):
+    with pytest.raises(ConfigError, match="data.decode must be 'auto', 'pil', 'device' or 'hybrid', got 'gpu'"):
         cfg("gpu")
 
 
@@ -197,3 +198,122 @@ def test_device_decode_of_in_memory_images_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="data.decode must be 'auto' or 'pil' for dataset 'digits'"):
         D.prepare_data(DataConfig(dataset="digits", n_val=100, n_labeled=40, pipeline="loader", decode="device"), 0,
                        CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# data.decode hybrid: each batch split by position between the two paths
+# ---------------------------------------------------------------------------------------------
+
+FIELDS = ("x_sup", "y_sup", "x_unsup0", "x_unsup1")
+
+
+def tree_config(tree, decode: str, fraction: float | None = None, workers: int = 0, size: int = 24) -> DataConfig:
+    return DataConfig(dataset="imagefolder", root=str(tree), n_val=4, n_labeled=8, pipeline="loader", decode=decode,
+                      workers=workers, image_size=size, colour_jitter=True, cpu_fraction=fraction)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_hybrid_batchs_rows_are_the_pil_paths_and_the_device_paths_rows(jpeg_tree, fraction, twice):
+    """Host rows are LoaderData's batch at those rows, device rows DecodedData's, labels both's: f = 1 is the PIL
+    path's batch, f = 0 the device path's, bit for bit; 3 steps, so the pattern repeats each step."""
+    pil, dev = D.prepare_data(tree_config(jpeg_tree, "pil"), 0, CPU), D.prepare_data(tree_config(jpeg_tree, "device"), 0, CPU)
+    hybrid = D.prepare_data(tree_config(jpeg_tree, "hybrid", fraction), 0, CPU)
+    assert type(hybrid) is D.HybridData
+    host = torch.from_numpy(D.host_rows(0, 8, fraction))
+    assert int(host.sum()) == round(8 * fraction + 1e-9)
+    batches = zip(*(d.train_batches(1, 3, 8, 3, twice) for d in (pil, dev, hybrid)))
+    for step, (a, b, h) in enumerate(batches):
+        for name in FIELDS:
+            ours = getattr(h, name)
+            assert ours.shape == getattr(a, name).shape and ours.dtype == getattr(a, name).dtype, name
+            assert torch.equal(ours[host], getattr(a, name)[host]), (step, name)
+            assert torch.equal(ours[~host], getattr(b, name)[~host]), (step, name)
+        assert (h.x_unsup1 is h.x_unsup0) == (not twice)
+    assert step == 2 and hybrid.used == (fraction, int(host.sum()), 8)
+    assert f"hybrid: PIL in 0 workers for {fraction:g} of each batch, the rest decoded on cpu (libjpeg" in \
+        hybrid.describe()
+
+
+def test_the_split_takes_round_of_batch_times_fraction_rows_spread_so_each_slice_gets_its_share():
+    for batch in (1, 7, 16, 128, 1024):
+        for f in (0.0, 0.05, 0.3, 0.5, 0.7, 0.75, 0.9, 1.0):
+            whole = D.host_rows(0, batch, f)
+            assert whole.sum() == np.floor(batch * f + 0.5), (batch, f)
+            for world in (w for w in (2, 4, 8) if batch % w == 0):   # a data-parallel worker's slice: its share
+                b = batch // world
+                parts = [D.host_rows(r * b, b, f) for r in range(world)]
+                assert np.array_equal(np.concatenate(parts), whole)
+                assert all(abs(p.sum() - b * f) <= 1 for p in parts), (batch, f, world)
+    assert D.host_rows(0, 10, 0.7).astype(int).tolist() == [1, 0, 1, 1, 1, 0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_hybrid_worker_slice_is_its_part_of_the_one_process_batch(jpeg_tree, twice):
+    """Also where a slice falls wholly on one side (f 0.25 over 4 slices of 2 rows: host, device, host, device)."""
+    for fraction in (0.25, 0.6):
+        data = D.prepare_data(tree_config(jpeg_tree, "hybrid", fraction), 0, CPU)
+        whole = list(data.train_batches(2, 5, 8, 2, twice))
+        for world in (2, 4):
+            slices = [list(data.train_batches(2, 5, 8, 2, twice, shard=(r, world))) for r in range(world)]
+            for step, batch in enumerate(whole):
+                for name in FIELDS:
+                    parts = [getattr(s[step], name) for s in slices]
+                    assert torch.equal(torch.cat(parts), getattr(batch, name)), (fraction, world, step, name)
+
+
+def test_hybrid_batches_do_not_depend_on_the_number_of_workers_or_on_timing(jpeg_tree):
+    """Two DataLoader worker processes decoding the host rows, against the training process alone: the same
+    batches, each time they are asked for."""
+    alone = D.prepare_data(tree_config(jpeg_tree, "hybrid", 0.5), 0, CPU)
+    workers = D.prepare_data(tree_config(jpeg_tree, "hybrid", 0.5, workers=2), 0, CPU)
+    first = list(alone.train_batches(0, 7, 8, 3, True))
+    for data in (workers, workers, alone):
+        for a, b in zip(first, data.train_batches(0, 7, 8, 3, True)):
+            assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in FIELDS)
+    assert "PIL in 2 workers" in workers.describe()
+
+
+def test_hybrid_host_rows_and_device_rows_have_the_same_pixel_statistics(tmp_path):
+    """The two halves of one hybrid batch (f 0.5) over 12 steps of 32: 192 rows each side, 2 views a row, are alike
+    by the train views' tolerance: they are the two paths' augmentations, so a batch mixes no two distributions.
+    Every file is the same photo: the two sides draw other files, and only the augmentation may differ between them."""
+    photo = jpeg(scene(250, 188, 1))
+    for i in range(12):
+        folder = tmp_path / "train" / f"n{i % 4:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i}.JPEG").write_bytes(photo)
+    data = D.prepare_data(tree_config(tmp_path, "hybrid", 0.5, size=48), 0, CPU)
+    host = torch.from_numpy(D.host_rows(0, 32, 0.5))
+    mean, std = torch.tensor(data.mean).view(1, 3, 1, 1), torch.tensor(data.std).view(1, 3, 1, 1)
+    levels = lambda x: ((x * std + mean) * 255).round().double()                 # back to the uint8 values
+    views = [(levels(b.x_sup), levels(b.x_unsup0)) for b in data.train_batches(0, 1, 32, 12, False)]
+    pil = torch.cat([v[host] for pair in views for v in pair])
+    ours = torch.cat([v[~host] for pair in views for v in pair])
+    n = len(pil)
+    assert n == len(ours) == 384
+    for c in range(3):
+        a, b = pil[:, c].mean((1, 2)), ours[:, c].mean((1, 2))
+        se = (a.var() / n + b.var() / n).sqrt()
+        assert abs(a.mean() - b.mean()) < 4 * se + 0.5, (c, a.mean(), b.mean(), se)
+        assert abs(pil[:, c].std() / ours[:, c].std() - 1) < 0.05, c
+
+
+def test_decode_auto_takes_the_stated_rule_and_hybrid_without_a_fraction_does_too(jpeg_tree):
+    assert [D.auto_cpu_fraction(b, w) for b, w in ((128, 16), (64, 16), (16, 16), (63, 16))] == [0.7, 0.7, 1.0, 1.0]
+    assert [D.auto_cpu_fraction(128, w) for w in (0, 8, 32)] == [0.0, 0.35, 1.0]
+    assert D.auto_cpu_fraction(16, 4) == 0.25
+    data = D.prepare_data(tree_config(jpeg_tree, "hybrid", workers=4), 0, CPU)   # None: the rule, 4 workers
+    assert "data.decode hybrid's rule: 0.175 of batches of 64 or more a worker, 0.25 of smaller ones" in data.describe()
+    list(data.train_batches(0, 0, 8, 1, False))
+    assert data.used == (0.25, 2, 8) and "0.25 of each batch (data.decode hybrid's rule at 8 a worker)" in \
+        data.describe()
+
+
+def test_a_cpu_fraction_is_refused_outside_zero_to_one_and_without_decode_hybrid():
+    with pytest.raises(ConfigError, match=r"data.cpu_fraction must be in \[0, 1\] or null, got 1.2"):
+        DataConfig(decode="hybrid", cpu_fraction=1.2)
+    with pytest.raises(ConfigError, match=r"data.cpu_fraction must be null unless data.decode is 'hybrid' "
+                                          r"\(data.decode is 'auto'\), got 0.5"):
+        DataConfig(cpu_fraction=0.5)
+    assert DataConfig(decode="hybrid", cpu_fraction=0).cpu_fraction == 0
