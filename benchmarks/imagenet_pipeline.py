@@ -1,6 +1,6 @@
 """CowMix steps/s and images/s on ImageNet-shaped JPEGs through cowtune's large-image inputs (issue 55).
 
-    python benchmarks/imagenet_pipeline.py                  # one GPU: resnet50, resnet152 x pil, device, predecoded
+    python benchmarks/imagenet_pipeline.py                  # one GPU: resnet50, resnet152 x pil, device, hybrid, predecoded
     python benchmarks/imagenet_pipeline.py --world 1,2,4,8  # and the data-parallel step's scaling on 1..8 GPUs
     python benchmarks/imagenet_pipeline.py --smoke          # CPU, a tiny tree and model, seconds (tests/ runs it)
 
@@ -8,14 +8,18 @@ It writes a tree shaped like ImageNet's training split (``--tree``, made once an
 sizes, mostly 500x375 and 375x500, quality 90, ``--classes`` x ``--per-class`` files, 10% of them labeled), evicts
 its files from the page cache (``posix_fadvise`` DONTNEED, no root needed) before each case that reads them, and
 times the trainer's CowMix step (``imagenet_cowmix``'s config at ``--batch`` labeled + ``--batch`` unlabeled images
-a step: 128 is one GPU's share of the paper's 1024 on 8 GPUs, 16 its share on 64) fed three ways:
+a step: 128 is one GPU's share of the paper's 1024 on 8 GPUs, 16 its share on 64) fed four ways:
 
   pil         data.decode pil: PIL decodes, inception-crops, flips and jitters in ``--workers`` DataLoader workers
   device      data.decode device: host threads read the bytes; nvJPEG decodes, the GPU crops, resizes and jitters
+  hybrid      data.decode hybrid at each of ``--fractions``: that share of each batch's rows by PIL in the workers,
+              the rest by nvJPEG, merged on the GPU (one row per fraction, "cpu_fraction" in it)
   predecoded  the device case's first batches made once and kept on the GPU, replayed: the step alone, the ceiling
 
-One JSON line per case (GPU, torch and torchvision versions, commit, the settings), then a summary line: each
-model's device / predecoded ratio (the target: >= 0.9 for resnet50) and the paper's run (180 epochs x 1,251 steps of
+``--batches`` adds other per-GPU batches, each through ``--batch-cases`` (pil, device, predecoded). One JSON line per
+case (GPU, torch and torchvision versions, commit, the settings, the case's wall time), then a summary line: each
+input's ratio to predecoded per model and batch (the target: >= 0.9 for resnet50), the best input, what
+``data.decode auto``'s rule picks there and how that measured, and the paper's run (180 epochs x 1,251 steps of
 1024 + 1024 images) projected onto 8 and 64 GPUs from one GPU's rate at its share of the batch, assuming perfect
 scaling unless ``--world`` measured it. The models run eagerly (bf16, channels-last, cuDNN) unless ``--compile``:
 compiling ResNet-152 takes minutes, the same for every case, and is not what is compared here.
@@ -127,13 +131,19 @@ def evict(root: Path) -> bool:
 # One case
 # ---------------------------------------------------------------------------------------------
 
-def case_config(model: str, case: str, tree: Path, n_labeled: int, args: argparse.Namespace):
-    """``imagenet_cowmix`` on the tree, at ``args.batch``, fed as ``case`` asks."""
+DECODE = {"pil": "pil", "device": "device", "predecoded": "device", "hybrid": "hybrid"}   # case -> data.decode
+
+
+def case_config(model: str, case: str, tree: Path, n_labeled: int, args: argparse.Namespace,
+                fraction: float | None = None):
+    """``imagenet_cowmix`` on the tree, at ``args.batch``, fed as ``case`` asks (hybrid: at ``fraction``)."""
     from trainables.presets import load_config
 
     sets = [f"data.root={tree}", f"model={model}", f"train.batch_size={args.batch}", f"data.n_labeled={n_labeled}",
-            f"data.decode={'pil' if case == 'pil' else 'device'}", f"data.workers={args.workers}",
+            f"data.decode={DECODE[case]}", f"data.workers={args.workers}",
             f"train.device={args.device}", "train.epochs=1"]
+    if case == "hybrid":
+        sets.append(f"data.cpu_fraction={fraction}")
     if args.smoke:
         sets += [f"data.image_size={args.image_size}", "train.threads=2", "train.eval_batch_size=8"]
     return load_config("imagenet_cowmix", sets + ([] if args.compile else EAGER) + args.set)
@@ -166,13 +176,15 @@ def time_steps(runner, batches, warmup: int, steps: int, seconds: float, device)
     return (time.perf_counter() - t0) / done, done
 
 
-def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.Namespace) -> dict:
+def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.Namespace,
+             fraction: float | None = None) -> dict:
     import torch
 
     from trainables.data import prepare_data
     from trainables.trainer import build_runner, setup_device
 
-    cfg = case_config(model, case, tree, n_labeled, args)
+    start = time.monotonic()
+    cfg = case_config(model, case, tree, n_labeled, args, fraction)
     device = setup_device(cfg)
     cold = evict(tree) if case != "predecoded" and not args.warm_cache else False
     data = prepare_data(cfg.data, cfg.labeled_seed, device, compiled=cfg.train.compile)
@@ -191,11 +203,14 @@ def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.N
     row = {"case": case, "model": model, "method": cfg.method, "batch": cfg.train.batch_size,
            "images_per_step": 2 * cfg.train.batch_size, "steps_per_s": round(1 / sec, 3),
            "images_per_s": round(2 * cfg.train.batch_size / sec, 1), "image_size": data.image_size,
-           "workers": args.workers if case == "pil" else 0, "read_threads": getattr(data, "threads", 0),
+           "workers": args.workers if case in ("pil", "hybrid") else 0, "read_threads": getattr(data, "threads", 0),
            "cold_cache": cold, "compile": bool(runner.compiled), "precision": "bf16" if runner.bf16 else "fp32",
            "warmup": args.warmup, "steps": timed, "seconds": round(sec * timed, 2), "pipeline": data.describe()}
+    if case == "hybrid":
+        row["cpu_fraction"], row["host_rows"] = fraction, data.used[1]   # of the batch's rows, PIL decoded these
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+    row["wall_s"] = round(time.monotonic() - start, 1)   # the whole case: data, model, warm-up, the timed steps
     del runner, data, batches
     gc.collect()   # the loader's workers and the device's memory go before the next case
     if device.type == "cuda":
@@ -242,18 +257,36 @@ def environment(device: str) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def summary(rows: list[dict]) -> dict:
-    """device / predecoded per model and batch, and the paper's run projected from one GPU's rate at its share."""
-    out: dict = {"case": "summary", "ratio_device_to_predecoded": {}, "paper_run_hours": {}}
-    rate = {(r["case"], r["model"], r["batch"]): r["steps_per_s"] for r in rows if "batch" in r}
-    for (case, model, batch), steps_per_s in rate.items():
-        if case == "device" and ("predecoded", model, batch) in rate:
-            out["ratio_device_to_predecoded"][f"{model}@{batch}"] = round(steps_per_s / rate["predecoded", model,
-                                                                                            batch], 3)
-        if case in ("device", "predecoded") and PAPER_BATCH % batch == 0:
+def input_name(row: dict) -> str:
+    """How a row was fed, as the summary names it: pil, device, predecoded or hybrid <fraction>."""
+    return f"hybrid {row['cpu_fraction']:g}" if row["case"] == "hybrid" else row["case"]
+
+
+def summary(rows: list[dict], workers: int) -> dict:
+    """Each input's rate / predecoded per model and batch (and device's alone, as before), the best input, what
+    ``data.decode auto`` picks there with ``workers`` workers (and its measured ratio where that fraction ran), and
+    the paper's run projected from one GPU's rate at its share."""
+    from trainables.data import auto_cpu_fraction
+
+    out: dict = {"case": "summary", "ratio_device_to_predecoded": {}, "ratio_to_predecoded": {}, "best_input": {},
+                 "auto_rule": {}, "paper_run_hours": {}}
+    rate = {(input_name(r), r["model"], r["batch"]): r["steps_per_s"] for r in rows if "batch" in r}
+    for (name, model, batch), steps_per_s in rate.items():
+        key = f"{model}@{batch}"
+        if ("predecoded", model, batch) in rate and name != "predecoded":
+            ratio = round(steps_per_s / rate["predecoded", model, batch], 3)
+            out["ratio_to_predecoded"].setdefault(key, {})[name] = ratio
+            if name == "device":
+                out["ratio_device_to_predecoded"][key] = ratio
+        if name in ("device", "predecoded") and PAPER_BATCH % batch == 0:
             gpus = PAPER_BATCH // batch
-            out["paper_run_hours"][f"{model} {case} on {gpus} GPUs (batch {batch} each, perfect scaling)"] = \
+            out["paper_run_hours"][f"{model} {name} on {gpus} GPUs (batch {batch} each, perfect scaling)"] = \
                 round(PAPER_STEPS / steps_per_s / 3600, 1)
+    for key, ratios in out["ratio_to_predecoded"].items():
+        out["best_input"][key] = max(ratios, key=ratios.get)
+        f = auto_cpu_fraction(int(key.rsplit("@", 1)[1]), workers)
+        picked = "pil" if f == 1 else "device" if f == 0 else f"hybrid {f:g}"
+        out["auto_rule"][key] = {"cpu_fraction": f, "measured_ratio": ratios.get(picked)}
     scaling = [r for r in rows if r["case"] == "data_parallel"]
     if scaling:
         one = {r["model"]: r["steps_per_s"] for r in scaling if r["world"] == 1}
@@ -270,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny tree, cnn_tiny at 32 px, 2 + 2 steps")
     p.add_argument("--models", default="resnet50,resnet152")
-    p.add_argument("--cases", default="pil,device,predecoded")
+    p.add_argument("--cases", default="pil,device,hybrid,predecoded")
+    p.add_argument("--fractions", default="0.7,0.8", help="hybrid: data.cpu_fraction of each hybrid case")
     p.add_argument("--batch", type=int, default=128, help="labeled images a step (as many unlabeled); per GPU")
-    p.add_argument("--batches", help="more per-GPU batches for the device and predecoded cases, e.g. 16 (64 GPUs)")
+    p.add_argument("--batches", help="more per-GPU batches, e.g. 16 (64 GPUs), each through --batch-cases")
+    p.add_argument("--batch-cases", default="pil,device,predecoded", help="the cases of each of --batches")
     p.add_argument("--tree", default="/tmp/cowtune-imagenet-tree", help="where the generated tree lives (reused)")
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--per-class", type=int, default=120, help="training images per class (default: 12,000 files, "
@@ -291,6 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, every case")
     p.add_argument("--out", help="also write the JSON lines to OUT/imagenet_pipeline.jsonl")
     args = p.parse_args(argv)
+    for flag, names in (("--cases", args.cases), ("--batch-cases", args.batch_cases)):
+        unknown = sorted(set(names.split(",")) - set(DECODE))
+        if unknown:
+            p.error(f"{flag}: unknown case {', '.join(unknown)} (known: {', '.join(DECODE)})")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        p.error(f"--fractions must be numbers in [0, 1], got {args.fractions!r}")
+    if not all(0 <= f <= 1 for f in fractions):
+        p.error(f"--fractions must be numbers in [0, 1], got {args.fractions!r}")
 
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -320,15 +365,18 @@ def main(argv: list[str] | None = None) -> int:
             with open(saved, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def cases(names: str, at: argparse.Namespace) -> None:
+        for case in names.split(","):
+            for fraction in (fractions if case == "hybrid" else [None]):
+                emit(run_case(model, case, tree, n_labeled, at, fraction))
+
     for model in args.models.split(","):
-        for case in args.cases.split(","):
-            emit(run_case(model, case, tree, n_labeled, args))
+        cases(args.cases, args)
         for extra in (int(b) for b in (args.batches.split(",") if args.batches else [])):
-            for case in ("device", "predecoded"):
-                emit(run_case(model, case, tree, n_labeled, argparse.Namespace(**{**vars(args), "batch": extra})))
+            cases(args.batch_cases, argparse.Namespace(**{**vars(args), "batch": extra}))
         for world in (int(w) for w in (args.world.split(",") if args.world else [])):
             emit(run_scaling(model, tree, n_labeled, world, args))
-    emit(summary(lines))
+    emit({**summary(lines, args.workers), "total_wall_s": round(time.monotonic() - t0, 1)})
     return 0
 
 
