@@ -1,6 +1,6 @@
 """CowMix steps/s and images/s on ImageNet-shaped JPEGs through cowtune's large-image inputs (issue 55).
 
-    python benchmarks/imagenet_pipeline.py                  # one GPU: resnet50, resnet152 x pil, device, hybrid, predecoded
+    python benchmarks/imagenet_pipeline.py                  # one GPU: resnet50, resnet152 x every input
     python benchmarks/imagenet_pipeline.py --world 1,2,4,8  # and the data-parallel step's scaling on 1..8 GPUs
     python benchmarks/imagenet_pipeline.py --smoke          # CPU, a tiny tree and model, seconds (tests/ runs it)
 

@@ -33,7 +33,8 @@ def test_smoke_mode_measures_each_input_and_says_where(tmp_path):
     assert "PIL" in cases[0]["pipeline"] and "decoded on cpu" in cases[1]["pipeline"]
     assert [(c["cpu_fraction"], c["host_rows"], c["workers"]) for c in cases[2:4]] == [(0.7, 3, 2), (0.8, 3, 2)]
     assert "hybrid: PIL in 2 workers for 0.7 of each batch" in cases[2]["pipeline"]
-    assert cases[0]["cold_cache"] is cases[1]["cold_cache"] is cases[2]["cold_cache"] and cases[4]["cold_cache"] is False
+    assert cases[0]["cold_cache"] is cases[1]["cold_cache"] is cases[2]["cold_cache"]
+    assert cases[4]["cold_cache"] is False
     assert set(summary["ratio_device_to_predecoded"]) == {"cnn_tiny@4"}
     assert set(summary["ratio_to_predecoded"]["cnn_tiny@4"]) == {"pil", "device", "hybrid 0.7", "hybrid 0.8"}
     assert summary["best_input"]["cnn_tiny@4"] in summary["ratio_to_predecoded"]["cnn_tiny@4"]

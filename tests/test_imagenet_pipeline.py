@@ -217,7 +217,7 @@ def tree_config(tree, decode: str, fraction: float | None = None, workers: int =
 def test_a_hybrid_batchs_rows_are_the_pil_paths_and_the_device_paths_rows(jpeg_tree, fraction, twice):
     """Host rows are LoaderData's batch at those rows, device rows DecodedData's, labels both's: f = 1 is the PIL
     path's batch, f = 0 the device path's, bit for bit; 3 steps, so the pattern repeats each step."""
-    pil, dev = D.prepare_data(tree_config(jpeg_tree, "pil"), 0, CPU), D.prepare_data(tree_config(jpeg_tree, "device"), 0, CPU)
+    pil, dev = (D.prepare_data(tree_config(jpeg_tree, decode), 0, CPU) for decode in ("pil", "device"))
     hybrid = D.prepare_data(tree_config(jpeg_tree, "hybrid", fraction), 0, CPU)
     assert type(hybrid) is D.HybridData
     host = torch.from_numpy(D.host_rows(0, 8, fraction))

@@ -26,7 +26,8 @@ Modules: ``sources`` (``RawDataset``, the ``DATASETS`` registry and its loaders)
 (ImageFolder trees and zips, decode cache), ``splits`` (``make_splits`` and split hashes),
 ``batches`` (``Batch``, ``TrainData``, random streams, normalisation), ``device`` (``DeviceData``),
 ``loader`` (``LoaderData``), ``gpu_decode`` (decoding and augmentation as tensor ops), ``gpu_loader``
-(``DecodedData``) and ``hybrid_loader`` (``HybridData``). Their public names are re-exported here. Anything may import it; it imports only
+(``DecodedData``) and ``hybrid_loader`` (``HybridData``). Their public names are re-exported here. Anything may
+import it; it imports only
 ``trainables.validation``, ``trainables.file_locks`` and ``trainables.child_process`` (its decoding workers).
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
 MAY_IMPORT = ("trainables.validation", "trainables.file_locks", "trainables.child_process")
 
 __all__ = [
-    "Batch", "DATASETS", "DecodedData", "DeviceData", "HybridData", "EVAL_CROP", "FileImages", "INCEPTION_RATIO", "INCEPTION_SCALE",
+    "Batch", "DATASETS", "DecodedData", "DeviceData", "EVAL_CROP", "FileImages", "HybridData", "INCEPTION_RATIO",
+    "INCEPTION_SCALE",
     "LOADER_IMAGE_SIZE", "Loader", "LoaderData", "NORMALISATION", "RawDataset", "SMALL_IMAGE_MAX", "Splits",
     "ScoredImages", "TORCHVISION_FILES", "TRAIN_SIZES", "TrainData", "check_dataset", "check_source",
     "auto_cpu_fraction", "crop_flip_params", "data_record", "epoch_order", "host_rows",
@@ -115,8 +117,8 @@ def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device,
     if on_device:
         return DeviceData(raw, splits, flip, cfg.pad, device, cfg.image_size, compiled=compiled)
     if isinstance(raw.train_images, np.ndarray):
-        check(cfg.decode not in ("device", "hybrid"), "data.decode", f"be 'auto' or 'pil' for dataset '{cfg.dataset}' (its images "
-              "are in memory, not files to decode)", cfg.decode)
+        check(cfg.decode not in ("device", "hybrid"), "data.decode", f"be 'auto' or 'pil' for dataset "
+              f"'{cfg.dataset}' (its images are in memory, not files to decode)", cfg.decode)
         size = cfg.image_size or raw.train_images.shape[1]   # in-memory small images: native size
         return LoaderData(raw, splits, flip, size, cfg.colour_jitter, cfg.workers, device)
     size = cfg.image_size or LOADER_IMAGE_SIZE
