@@ -207,6 +207,15 @@ def _plan_wrn28_2_noise_more(epochs: int) -> dict[str, list[str]]:
     return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for name, sets in variants.items() for seed in (4, 5, 6, 7)}
 
 
+def _plan_wrn28_2_steady_300(epochs: int) -> dict[str, list[str]]:
+    """Issue 53's last test: the search's leader ("steady", its trial 2 and best trial; 1.6 points ahead of the paper's
+    config over 11 paired 60-epoch runs) against the paper's recipe at the full 300 epochs, on the confirm stage's
+    seeds 1-3. Three runs fit one lease: ``--only paper_s1,steady_s1,paper_s2`` then the other three."""
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST]
+    variants = {"paper": [], "steady": ["optim.warmup_epochs=5", "teacher.anneal=true", "mix.conf_thresh=0.8"]}
+    return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for seed in (1, 2, 3) for name, sets in variants.items()}
+
+
 PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "ss96_jpeg": (_plan_ss96_jpeg, 60),
          "box_methods": (_plan_box_methods, 300),
          "labels_4000": (_plan_labels_4000, 300), "sanity": (_plan_sanity, 60), "ceiling": (_plan_ceiling, 0),
@@ -215,7 +224,8 @@ PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "
          "wrn28_2_bn_batch": (_plan_wrn28_2_bn_batch, 60),
          "wrn28_2_full": (_plan_wrn28_2_full, 300), "wrn28_2_precision": (_plan_wrn28_2_precision, 60),
          "wrn28_2_jpeg": (_plan_wrn28_2_jpeg, 60), "shakeshake": (_plan_shakeshake, 120),
-         "wrn28_2_noise": (_plan_wrn28_2_noise, 60), "wrn28_2_noise_more": (_plan_wrn28_2_noise_more, 60)}
+         "wrn28_2_noise": (_plan_wrn28_2_noise, 60), "wrn28_2_noise_more": (_plan_wrn28_2_noise_more, 60),
+         "wrn28_2_steady_300": (_plan_wrn28_2_steady_300, 300)}
 
 
 def run_settings(overrides: list[str], config: str, data: str, extra: list[str] = ()) -> tuple[str, list[str]]:
