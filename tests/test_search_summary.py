@@ -146,3 +146,29 @@ def test_a_tree_copied_without_its_git_takes_its_commit_from_the_environment(tmp
     from trainables.search import tracking
     monkeypatch.setenv("COWTUNE_COMMIT", "a15b306")
     assert len(here) == 40 and tracking.git_sha() == here   # in the repository itself git answers first
+
+
+def test_a_store_moved_after_writing_reads_its_artifacts_beside_its_database(tmp_path):
+    """An embedded store brought back from a GPU machine (its database and mlartifacts/ unpacked elsewhere) still
+    names the old artifact folder; cowtune reads the artifacts beside the database, or says what is missing."""
+    import shutil
+
+    from trainables.search import tracking
+    from trainables.validation import ConfigError
+
+    there = tmp_path / "device" / "s"
+    there.mkdir(parents=True)
+    uri = f"sqlite:///{there / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(tracking.ensure_experiment(uri, "moved", workdir=there))
+    (tmp_path / "confirm.json").write_text('{"winner": "paper"}')
+    client.log_artifact(run.info.run_id, str(tmp_path / "confirm.json"))
+    here = tmp_path / "here"
+    shutil.move(str(there), str(here))   # the old folder is gone, as on the GPU machine
+    moved = MlflowClient(f"sqlite:///{here / 'mlflow.db'}")
+    run = moved.get_run(run.info.run_id)
+    assert str(there) in run.info.artifact_uri
+    assert tracking.read_artifact(moved, run, "confirm.json") == '{"winner": "paper"}'
+    shutil.rmtree(here / "mlartifacts")
+    with pytest.raises(ConfigError, match=r"artifact 'confirm.json' is not at .*mlartifacts/ folder\? Put it beside"):
+        tracking.read_artifact(moved, run, "confirm.json")

@@ -59,8 +59,7 @@ def finalists(uri: str, experiment_id: str, parent_id: str, plan: Any, space: di
     for c in sorted((c for c in full if not is_paper(c)), key=lambda c: c.data.metrics[objective]):
         if len(out) == count:
             break
-        with tempfile.TemporaryDirectory() as tmp:
-            config = yaml.safe_load(Path(client.download_artifacts(c.info.run_id, "config.yaml", tmp)).read_text())
+        config = yaml.safe_load(tracking.read_artifact(client, c, "config.yaml"))
         if any(_same_config(config, o[2]) for o in out):   # the same config proposed twice
             continue
         out.append((c.data.tags.get(tracking.TRIAL_TAG, c.info.run_id), c.data.metrics[objective], config))

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,5 +141,4 @@ def _chosen(candidates: list[Candidate], only: str | None) -> list[Candidate]:
 def _config(client: MlflowClient, runs: list[Any], label: str) -> dict[str, Any]:
     """A candidate's config, from one of its confirm runs (the seed is set per run)."""
     run = next(r for r in runs if r.data.tags.get(stage.CANDIDATE_TAG) == label)
-    with tempfile.TemporaryDirectory() as tmp:
-        return yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "config.yaml", tmp)).read_text())
+    return yaml.safe_load(tracking.read_artifact(client, run, "config.yaml"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +53,7 @@ def confirmed(client: MlflowClient, parent: Any) -> dict[str, Any] | None:
     """The confirm stage's record on a search's parent run (``confirm.json``), or None."""
     if not parent.data.tags.get("cowtune.confirm.winner"):
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        return json.loads(Path(client.download_artifacts(parent.info.run_id, "confirm.json", tmp)).read_text())
+    return json.loads(tracking.read_artifact(client, parent, "confirm.json"))
 
 
 def promote(search: str, out: str | Path, alias: str = "champion", model_name: str | None = None,
@@ -124,7 +122,6 @@ def _best_trial(client: MlflowClient, parent: Any, children: list[Any], metric: 
         raise ConfigError(f"no trial of search '{search}' (parent run {parent.info.run_id}) trained for its full "
                           f"budget of {budget} epochs; nothing to promote")
     best = min(full, key=lambda c: (c.data.metrics[metric], c.info.start_time))   # ties: the trial started first
-    with tempfile.TemporaryDirectory() as tmp:
-        config = yaml.safe_load(Path(client.download_artifacts(best.info.run_id, "config.yaml", tmp)).read_text())
+    config = yaml.safe_load(tracking.read_artifact(client, best, "config.yaml"))
     return best, config, {"trial_id": best.data.tags.get(tracking.TRIAL_TAG, ""), metric: best.data.metrics[metric],
                           "gate": "unconfirmed: one seed, partly luck", "trials_full_budget": len(full)}

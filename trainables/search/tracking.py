@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 from typing import Any
 
 from mlflow.entities import RunTag
@@ -30,6 +32,34 @@ def resolve_tracking_uri(workdir: str | Path | None = None) -> str:
 
 def is_embedded(uri: str) -> bool:
     return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+def read_artifact(client: MlflowClient, run: Any, path: str) -> str:
+    """The text of ``run``'s artifact ``path``. A store moved after it was written (an embedded one brought back from a
+    GPU machine as a tarball) still names the old artifact folder: the ``mlartifacts/`` beside its database is tried
+    next, and when that fails too, one message says where it looked."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return Path(client.download_artifacts(run.info.run_id, path, tmp)).read_text()
+        except (MlflowException, OSError) as e:
+            moved = _beside_the_database(str(client.tracking_uri), run.info.artifact_uri or "", path)
+            if moved is not None and moved.is_file():
+                return moved.read_text()
+            from trainables.validation import ConfigError
+            where = f" or {moved}" if moved is not None else ""
+            raise ConfigError(f"run {run.info.run_id}'s artifact '{path}' is not at {run.info.artifact_uri}{where} "
+                              f"({str(e).splitlines()[0]}); was the MLflow store moved without its mlartifacts/ "
+                              "folder? Put it beside mlflow.db") from None
+
+
+def _beside_the_database(uri: str, artifact_uri: str, path: str) -> Path | None:
+    """``artifact_uri``'s part from ``mlartifacts/`` on, under the directory of an embedded ``sqlite:`` store."""
+    marker = "/mlartifacts/"
+    if not uri.startswith("sqlite:///") or not artifact_uri.startswith("file:") or marker not in artifact_uri:
+        return None
+    database = Path(uri[len("sqlite:///"):])
+    recorded = unquote(urlparse(artifact_uri).path)
+    return database.resolve().parent / "mlartifacts" / recorded.split(marker, 1)[1] / path
 
 
 def git_sha() -> str:
