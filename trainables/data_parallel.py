@@ -104,7 +104,7 @@ def run_epoch(rep: Replica, epoch: int) -> dict[str, float]:
     split = cfg.data.eval_split
     for name, model in (("teacher", rep.runner.teacher), ("student", rep.runner.student)):
         metrics.update(M.eval_metrics(split, name, _sharded_eval(model, rep.data.eval_batches(
-            split, cfg.train.eval_batch_size), rep)))
+            split, cfg.train.eval_batch_size, shard=(rep.rank, rep.world)), rep)))
     metrics["world_size"] = rep.world
     metrics["replica_spread"] = _replica_spread(rep)
     return metrics
@@ -117,10 +117,18 @@ def state_dict(rep: Replica, epoch: int) -> dict[str, Any]:
             "optimizer": r.optimizer.state_dict(), "config": rep.cfg.to_dict()}
 
 
-def _sharded_eval(model: nn.Module, batches: Any, rep: Replica) -> Scores:
-    shard = [b for i, b in enumerate(batches) if i % rep.world == rep.rank]
-    s = evaluate(model, shard, rep.runner.autocast, rep.runner.memory_format) if shard else Scores(0.0, 0.0)
-    n = float(sum(y.shape[0] for _, y in shard))
+def _sharded_eval(model: nn.Module, shard: Any, rep: Replica) -> Scores:
+    """This worker's evaluation batches (every world-th, the only ones its pipeline reads), summed over workers."""
+    seen = [0]
+
+    def counted(batches: Any) -> Any:
+        for x, y in batches:
+            seen[0] += y.shape[0]
+            yield x, y
+    s = evaluate(model, counted(shard), rep.runner.autocast, rep.runner.memory_format)
+    n = float(seen[0])
+    if n == 0:
+        s = Scores(0.0, 0.0)
     top5 = s.error5 is not None   # the same on every worker with a shard: the model's classes
     total = torch.tensor([s.error * n, s.loss * n, (s.error5 or 0.0) * n, n, float(top5)], dtype=torch.float64,
                          device=_collective_device())

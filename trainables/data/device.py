@@ -173,12 +173,14 @@ class DeviceData:
         run = compiled_augment() if self.compiled else augment
         return run(self.images, idx, oy, ox, flips, self.pad, self._scale, self._shift)
 
-    def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def eval_batches(self, split: str, batch_size: int,
+                     shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[Tensor, Tensor]]:
         """(x (b, C, H, W) float32 normalised, y (b,) int64) in index order; the last batch may be short."""
         images, labels, idx = self._eval_source(split)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
+        rank, world = shard
         return ((normalise(images[idx[i:i + batch_size]], self._scale, self._shift), labels[idx[i:i + batch_size]])
-                for i in range(0, len(idx), batch_size))
+                for i in range(rank * batch_size, len(idx), world * batch_size))
 
     def _eval_source(self, split: str) -> tuple[Tensor, Tensor, Tensor]:
         _check_eval_split(split, self.sizes)

@@ -99,11 +99,13 @@ class DecodedData(LoaderData):
             return Batch(x[0], y, x[1], x[2] if augment_twice else x[1])
         return _prefetched(make, steps, self.device)
 
-    def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def eval_batches(self, split: str, batch_size: int,
+                     shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[Tensor, Tensor]]:
         _check_eval_split(split, self.sizes)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
         idx = self.splits.val if split == "val" else np.arange(self.sizes["test"])
-        chunks = [idx[s:s + batch_size] for s in range(0, len(idx), batch_size)]
+        rank, world = shard
+        chunks = [idx[s:s + batch_size] for s in range(rank * batch_size, len(idx), world * batch_size)]
 
         def make(k: int) -> tuple[Tensor, Tensor]:
             images = self._read(split, chunks[k])

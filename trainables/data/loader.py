@@ -241,15 +241,17 @@ class LoaderData:
     def _to_device(self, x: Tensor) -> Tensor:
         return normalise(x.to(self.device, non_blocking=True), self._scale, self._shift)
 
-    def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    def eval_batches(self, split: str, batch_size: int,
+                     shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[Tensor, Tensor]]:
         """(x (b, 3, S, S) float32 normalised, y (b,) int64) in index order; the last batch may be short."""
         _check_eval_split(split, self.sizes)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
         idx = self.splits.val if split == "val" else np.arange(self.sizes["test"])
+        rank, world = shard
+        starts = range(rank * batch_size, len(idx), world * batch_size)
         loader, sampler = self._loader("eval")
-        sampler.make = lambda: ([(split, int(i)) for i in idx[s:s + batch_size]]
-                                for s in range(0, len(idx), batch_size))
-        sampler.count = -(-len(idx) // batch_size)
+        sampler.make = lambda: ([(split, int(i)) for i in idx[s:s + batch_size]] for s in starts)
+        sampler.count = len(starts)
         return ((self._to_device(x), y.to(self.device, non_blocking=True)) for x, y in loader)
 
     def describe(self) -> str:

@@ -51,10 +51,10 @@ class HoldoutOnly:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)
 
-    def eval_batches(self, split: str, batch_size: int):
+    def eval_batches(self, split: str, batch_size: int, shard: tuple[int, int] = (0, 1)):
         if split != "val":
             raise ConfigError(f"data.eval_split must be 'val' in a search (the test split is off limits), got {split!r}")
-        return self._data.eval_batches(split, batch_size)
+        return self._data.eval_batches(split, batch_size, shard)
 
 
 def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
