@@ -74,18 +74,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_required import require_gpu  # noqa: E402
-from step_ab import SWITCHED_ON, SWITCHES, switched, switched_off  # noqa: E402
+from step_ab import BLOCK_SWITCHES, SWITCHED_ON, switched  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
+from trainables.fast.model_swaps import speed_up_model  # noqa: E402
 from trainables.fast.wgrad_stream import empty_conv_output  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.models.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
 from trainables.trainer import build_runner, fit, setup_device  # noqa: E402
 
-UNFOLDED = SWITCHES["unfolded-teacher"]   # switched off: the shake-shake model's eval mode unfolded
-PAIRED = SWITCHES["unpaired-inner-bn-relu"]   # switched off: each shake-shake block's inner batch norms unpaired
+UNFOLDED = BLOCK_SWITCHES["unfolded-teacher"]   # the fast shake-shake blocks' eval mode unfolded
+PAIRED = BLOCK_SWITCHES["unpaired-inner-bn-relu"]   # each fast shake-shake block's inner batch norms unpaired
 
 
 def config(model: str = "wrn28_2", **train) -> TrainConfig:
@@ -120,9 +121,10 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2", fast_swit
     data = prepare_data(plain_cfg.data, 0, device)
     runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
-    for r, unfolded, on in zip(runners, (UNFOLDED, ()), ((), fast_switches)):  # the same weights, the same batch
-        # the plain step's teacher unfolded (read at each forward); the fast step with the switches asked for
-        with switched_off(unfolded), switched(on, on=True):
+    for model in (runners[0].student, runners[0].teacher):
+        speed_up_model(model, **UNFOLDED)   # the plain step's teacher unfolded (read at each forward)
+    for r, on in zip(runners, ((), fast_switches)):  # the same weights, the same batch
+        with switched(on, on=True):   # the fast step with the class switches asked for
             r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
@@ -320,7 +322,7 @@ def check_folded_teacher() -> bool:
                       f"stride {stride[0]}: rel diff {rel:.2e}, strides as promised: {layout}")
                 ok &= good
     torch.manual_seed(0)
-    model = create_model("wrn26_2_shakeshake", 10).to(dev).eval()
+    model = speed_up_model(create_model("wrn26_2_shakeshake", 10)).to(dev).eval()
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
@@ -332,10 +334,11 @@ def check_folded_teacher() -> bool:
              ("bf16 NHWC", nhwc, x_nhwc, True, False, 3e-2), ("bf16 NHWC compiled", nhwc, x_nhwc, True, True, 3e-2))
     for label, net, inp, bf16, compiled, tol in cases:
         outs = []
-        for switches in ((), UNFOLDED):
+        for switches in ({}, UNFOLDED):
             torch._dynamo.reset()   # a fresh compilation for each setting of the switch
+            speed_up_model(net, **switches)
             fn = torch.compile(net, dynamic=False) if compiled else net
-            with switched_off(switches), torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
                 outs.append(fn(inp).float())
         rel = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
         print(f"  folded vs unfolded shake-shake eval, {label}: rel diff of the logits {rel:.2e} (limit {tol:g})")
@@ -357,12 +360,13 @@ def _exact_cudnn():
 
 
 def _shakeshake_grads(where: str, batch: int, reads: int, segmented: bool = False):
-    """A function ``grads(compiled, switches=(), on=True, bf16=False)`` giving the parameters' gradients (float32) of
-    one forward and backward pass of the bare shake-shake WRN-26-2 with a cross-entropy loss (channels_last, training
-    mode, one fixed batch), eager or compiled (``realize_reads_threshold`` ``reads``, Inductor's random draws as
-    eager's, so every run draws the same shake gates), with the class ``switches`` set to ``on`` while it is traced;
-    and the number of ShakeShakeBlocks. ``segmented``: its batch norms segmented, the batch's two halves each with its
-    own statistics (the trainer's stacked call; compiled, the one-pass path)."""
+    """A function ``grads(compiled, switches={}, bf16=False)`` giving the parameters' gradients (float32) of one
+    forward and backward pass of the bare shake-shake WRN-26-2, its blocks the fast ones, with a cross-entropy loss
+    (channels_last, training mode, one fixed batch), eager or compiled (``realize_reads_threshold`` ``reads``,
+    Inductor's random draws as eager's, so every run draws the same shake gates), with the blocks' ``switches`` as
+    given (the others on; ``speed_up_model``); and the number of ShakeShakeBlocks. ``segmented``: its batch norms
+    segmented, the batch's two halves each with its own statistics (the trainer's stacked call; compiled, the one-pass
+    path)."""
     import torch._dynamo
     import torch._inductor.config as inductor
     import torch.nn.functional as F
@@ -378,15 +382,14 @@ def _shakeshake_grads(where: str, batch: int, reads: int, segmented: bool = Fals
     x = torch.randn(batch, 3, 32, 32, device=dev, generator=g).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=dev, generator=g)
 
-    def grads(compiled: bool, switches=(), on: bool = True, bf16: bool = False) -> list[torch.Tensor]:
-        net = copy.deepcopy(model)
+    def grads(compiled: bool, switches: dict[str, bool] | None = None, bf16: bool = False) -> list[torch.Tensor]:
+        net = speed_up_model(copy.deepcopy(model), **(switches or {}))
         torch._dynamo.reset()   # a fresh compilation for each setting (the switches are read when traced)
         fn = torch.compile(net, dynamic=False) if compiled else net
         torch.manual_seed(1)
         segments = batch_segments(segmentable(net), ((batch // 2, True), (batch - batch // 2, False))) \
             if segmented else contextlib.nullcontext()
-        with switched(switches, on=on), \
-                inductor.patch(fallback_random=True, realize_reads_threshold=reads, fx_graph_cache=False), \
+        with inductor.patch(fallback_random=True, realize_reads_threshold=reads, fx_graph_cache=False), \
                 torch.autocast(dev.type, torch.bfloat16, enabled=bf16):
             with segments:
                 logits = fn(x)
@@ -414,7 +417,7 @@ def _no_worse(err_on: float, err_off: float, apart: float, bf16: bool) -> bool:
 
 def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
     """One forward and backward pass of the bare shake-shake WRN-26-2 (``_shakeshake_grads``, under the trainer's
-    threshold) with each block's input gradient stored (``ShakeShakeBlock.store_input_grad``, the default) and
+    threshold) with each block's input gradient stored (the fast block's ``store_input_grad``, the default) and
     recomputed: the parameters' gradients against the eager float32 pass's, the worst tensor's relative error, judged
     by ``_no_worse``. The store must be lowered once a block with it and never without it. ``where`` "cpu", with a
     small ``batch``, checks this function's own logic only. (Not the trainer's whole step: no CowMix, cuDNN's
@@ -440,10 +443,10 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
             want = grads(False)
             for bf16 in (False, True):
                 lowered.clear()
-                stored = grads(True, SWITCHES["unstored-input-grads"], True, bf16)
+                stored = grads(True, {}, bf16)
                 n_stored = len(lowered)
                 lowered.clear()
-                recomputed = grads(True, SWITCHES["unstored-input-grads"], False, bf16)
+                recomputed = grads(True, BLOCK_SWITCHES["unstored-input-grads"], bf16)
                 n_recomputed = len(lowered)
                 err_stored, err_recomputed = _worst(stored, want), _worst(recomputed, want)
                 apart = _worst(stored, recomputed)
@@ -458,7 +461,7 @@ def check_stored_grad(where: str = "cuda", batch: int = 128) -> bool:
 
 def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
     """One forward and backward pass of the bare shake-shake WRN-26-2 with segmented batch norms, compiled with each
-    block's inner batch norms paired (``ShakeShakeBlock.paired_inner_bn_relu``, our kernels) and not, both against the
+    block's inner batch norms paired (the fast block's ``paired_inner_bn_relu``, our kernels) and not, both against the
     eager float32 pass's gradients (``_no_worse``); the paired compile must have run the kernels, not the PyTorch
     formula's fallback. ``where`` "cpu": this function's logic (the kernels run only in Triton's interpreter there)."""
     from trainables.fast import bn_relu_pair as brp   # the module as imported (the tests' may be the interpreter's)
@@ -470,9 +473,9 @@ def check_paired_grads(where: str = "cuda", batch: int = 128) -> bool:
         want = grads(False)
         for bf16 in (False, True):
             before = brp.KERNEL_CALLS
-            paired = grads(True, PAIRED, True, bf16)
+            paired = grads(True, {}, bf16)
             ran = brp.KERNEL_CALLS - before
-            plain = grads(True, PAIRED, False, bf16)
+            plain = grads(True, PAIRED, bf16)
             err_paired, err_plain, apart = _worst(paired, want), _worst(plain, want), _worst(paired, plain)
             kernels_expected = where == "cuda" or brp.INTERPRET
             print(f"  segmented shake-shake gradients, compiled {'bf16' if bf16 else 'float32'} against eager float32, "

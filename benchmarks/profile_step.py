@@ -7,8 +7,8 @@ A trace shows where the GPU waits and what runs beside what: ``python benchmarks
 With ``--serial`` every kernel runs on the main stream: the sum of their durations is the step's work, each
 one measured alone. With ``--kernel-bytes`` the models compile afresh, into an Inductor cache directory of their
 own, with Inductor's byte count in each kernel's code, and each kernel's bytes and bandwidth are printed too
-(``benchmarks/kernel_bytes.py``). ``--variant V`` profiles the step with the class switches of step_ab.py's variant
-V turned on (an experiment) or off.
+(``benchmarks/kernel_bytes.py``). ``--variant V`` profiles the step with the switches of step_ab.py's variant V
+turned on (an experiment) or off.
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from gpu_required import require_gpu  # noqa: E402
-from step_ab import SWITCHED_ON, SWITCHES, variant_switched  # noqa: E402
+from step_ab import (BLOCK_SWITCHES, REFERENCE_LAYOUT, SWITCHED_ON, SWITCHES, build_variant_runner,  # noqa: E402
+                     variant_switched)
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast import wgrad_stream  # noqa: E402
 from trainables.fast.switch import Switches  # noqa: E402
-from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
+from trainables.trainer import autotune_convolutions  # noqa: E402
 
 
 def main() -> int:
@@ -61,8 +62,8 @@ def main() -> int:
     p.add_argument("--reads", type=int, default=None, metavar="N",
                    help="compile the models under Inductor's realize_reads_threshold N (train.realize_reads_threshold) "
                         "instead of the model's own")
-    p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES}),
-                   help="with the class switches of this step_ab.py variant on (experiments) or off (defaults)")
+    p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES, *BLOCK_SWITCHES, *REFERENCE_LAYOUT}),
+                   help="with the switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
     if args.reads is not None and args.reads < 1:
         p.error(f"--reads: Inductor's realize_reads_threshold must be >= 1, got {args.reads}")
@@ -88,7 +89,7 @@ def profile(args) -> int:
                       args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None,
                       realize_reads_threshold=args.reads)
     Switches.teacher_stream = not (args.no_teacher_stream or args.serial)   # read when the runner is built
-    runner = build_runner(cfg, 10, device)
+    runner = build_variant_runner(cfg, 10, device, args.variant)
     data = DeviceData(raw, splits, True, 4, device)
     gen = runner.generator.manual_seed(0)
     it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))

@@ -28,17 +28,17 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
             losses, run eagerly (train.compile_masks_and_losses false) instead of compiled
     two-first-convs  as wgrad-stream, with a shake-shake block's two first convolutions run one by one
-            (ShakeShakeBlock.one_first_conv false) instead of as one
+            (the fast block's one_first_conv false, trainables/fast/model_swaps.py) instead of as one
     biased-bn-convs  as wgrad-stream, with the shake-shake model's convolutions that feed a batch norm given a bias
-            (ShakeShakeBlock.bias_free_bn_convs false), as in the reference
+            (the model built with bn_conv_bias true), as in the reference
     reference-convs  both of the above
     unfolded-teacher  as wgrad-stream, with the shake-shake teacher's batch norms computed as such in eval mode
-            (ShakeShakeBlock.fold_eval_bn false) instead of folded into its convolutions
+            (fold_eval_bn false) instead of folded into its convolutions
     reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
             (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
             those in fast.compile_options.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
-            readers (ShakeShakeBlock.store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
+            readers (store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
             (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
@@ -50,8 +50,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             fast.compile_options.DEPENDENT_LAUNCH_MODELS)
     unpaired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as layers
             of their own, Inductor's backward, instead of one function over the stacked first convolution's output
-            whose backward is our own kernels (ShakeShakeBlock.paired_inner_bn_relu false;
-            trainables/fast/bn_relu_pair.py)
+            whose backward is our own kernels (paired_inner_bn_relu false; trainables/fast/bn_relu_pair.py)
     inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
             options as well, over the trainer's own (``torch._inductor.config`` names, values as Python literals
             of the option's type, no commas), for trying one of Inductor's settings before it becomes a field:
@@ -72,6 +71,7 @@ import argparse
 import ast
 import contextlib
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -89,8 +89,9 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast import conv_rows  # noqa: E402
 from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
+from trainables.fast.model_swaps import speed_up_model  # noqa: E402
 from trainables.fast.step_graph import StepGraph  # noqa: E402
-from trainables.models.shakeshake import ShakeShakeBlock  # noqa: E402
+from trainables.models import MODELS  # noqa: E402
 from trainables.models.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
@@ -103,16 +104,19 @@ VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-
 INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
-# variants that turn off some of the trainer's and models' class switches (on by default)
+# variants that turn off some of the trainer's class switches (on by default)
 SWITCHES = {"eager-ema": ((Switches, "compile_ema"),), "one-update": ((Switches, "update_in_parts"),),
-            "no-priority": ((StepGraph, "priority"),), "two-first-convs": ((ShakeShakeBlock, "one_first_conv"),),
-            "biased-bn-convs": ((ShakeShakeBlock, "bias_free_bn_convs"),),
-            "reference-convs": ((ShakeShakeBlock, "one_first_conv"), (ShakeShakeBlock, "bias_free_bn_convs")),
-            "unfolded-teacher": ((ShakeShakeBlock, "fold_eval_bn"),),
-            "unstored-input-grads": ((ShakeShakeBlock, "store_input_grad"),),
+            "no-priority": ((StepGraph, "priority"),),
             "narrow-rows": ((TritonConv2d, "same_and_biased"),),
-            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),),
-            "unpaired-inner-bn-relu": ((ShakeShakeBlock, "paired_inner_bn_relu"),)}
+            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
+# variants that turn off some of the fast shake-shake blocks' switches (trainables.fast.model_swaps.ShakeShakeSwitches,
+# all on in the trainer): set on the built runner's student and teacher (``blocks_switched``)
+BLOCK_SWITCHES = {"two-first-convs": {"one_first_conv": False}, "reference-convs": {"one_first_conv": False},
+                  "unfolded-teacher": {"fold_eval_bn": False}, "unstored-input-grads": {"store_input_grad": False},
+                  "unpaired-inner-bn-relu": {"paired_inner_bn_relu": False}}
+# variants whose shake-shake models are built in the reference's layout (``reference_layout``)
+REFERENCE_LAYOUT = frozenset({"biased-bn-convs", "reference-convs"})
+SHAKE_SHAKE = ("wrn26_6_shakeshake", "wrn26_2_shakeshake", "wrn20_6_shakeshake")
 # variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
 # here and in VARIANTS; once measured, each either won its A/B run and is on by default, or was removed,
 # docs/journal/2026-11-26.md to 2026-11-28.md)
@@ -173,6 +177,37 @@ def inductor_options_of(variant: str) -> dict[str, object]:
     return options
 
 
+def build_variant_runner(cfg, num_classes: int, device: torch.device, variant: str | None):
+    """``build_runner``'s runner for ``variant``'s models: built in the reference's layout where it asks
+    (``REFERENCE_LAYOUT``), its fast blocks switched as it asks (``BLOCK_SWITCHES``). Its class switches
+    (``variant_switched``) are the caller's to set around this and the first steps."""
+    with reference_layout(variant in REFERENCE_LAYOUT):
+        runner = build_runner(cfg, num_classes, device)
+    blocks_switched(runner, variant)
+    return runner
+
+
+def blocks_switched(runner, variant: str | None):
+    """The runner's student and teacher with their fast blocks' switches as ``variant`` asks (``BLOCK_SWITCHES``; the
+    others on): before its first step, which compiles and captures them. Another variant leaves them as built."""
+    if variant in BLOCK_SWITCHES:
+        for model in (runner.student, runner.teacher):
+            speed_up_model(model, **BLOCK_SWITCHES[variant])
+
+
+@contextlib.contextmanager
+def reference_layout(on: bool):
+    """Within (if ``on``): the shake-shake models built in the reference's layout, a bias on each convolution that
+    feeds a batch norm (their registered builders called with ``bn_conv_bias=True``); restored on leaving."""
+    saved = {name: MODELS[name] for name in SHAKE_SHAKE}
+    if on:
+        MODELS.update({name: functools.partial(builder, bn_conv_bias=True) for name, builder in saved.items()})
+    try:
+        yield
+    finally:
+        MODELS.update(saved)
+
+
 @contextlib.contextmanager
 def inductor_options_added(extra: dict[str, object]):
     """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options, over the
@@ -227,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.batch, args.steps, args.warmup, args.rounds = "cnn_tiny", 16, 2, 1, 1
         if any(v.startswith(INDUCTOR_PREFIX) for v in variants):
             p.error(f"{INDUCTOR_PREFIX} variants compile the step with their options, and --tiny does not compile")
-    shake_only = [v for v in variants
-                  if any(owner is ShakeShakeBlock for owner, _ in (*SWITCHES.get(v, ()), *SWITCHED_ON.get(v, ())))]
+    shake_only = [v for v in variants if v in BLOCK_SWITCHES or v in REFERENCE_LAYOUT]
     if shake_only and "shakeshake" not in args.model:
         p.error(f"{', '.join(shake_only)}: switches of the shake-shake models, not of {args.model}")
     device = torch.device(args.device)
@@ -269,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         # read when the runner is built and when its step is captured
         with variant_switched(v), inductor_options_added(inductor_options_of(v)):
-            runner = build_runner(cfg, len(raw.class_names), device)
+            runner = build_variant_runner(cfg, len(raw.class_names), device, v)
             gen = runner.generator.manual_seed(0)
             for _ in range(args.warmup):   # compile, capture
                 runner.step(next(batches), gen, 0.05, 0.97)

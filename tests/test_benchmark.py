@@ -125,8 +125,13 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
             assert variant in step_ab.VARIANTS, variant
             for owner, name in switches:
                 assert getattr(owner, name) is default, (variant, owner.__name__, name)
-    # the shake-shake blocks' stored input gradients, on by default
-    assert step_ab.SWITCHES["unstored-input-grads"] == ((step_ab.ShakeShakeBlock, "store_input_grad"),)
+    # the fast shake-shake blocks' switches, on by default: each variant turns one off
+    from trainables.fast.model_swaps import ShakeShakeSwitches
+
+    defaults = ShakeShakeSwitches()
+    for variant, switches in step_ab.BLOCK_SWITCHES.items():
+        assert variant in step_ab.VARIANTS and all(getattr(defaults, k) and v is False for k, v in switches.items())
+    assert step_ab.BLOCK_SWITCHES["unstored-input-grads"] == {"store_input_grad": False}
 
 
 def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
@@ -163,7 +168,8 @@ def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, cap
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import step_ab
 
-    _add_experiment(monkeypatch, step_ab, "shake-experiment", ((step_ab.ShakeShakeBlock, "one_first_conv"),))
+    monkeypatch.setattr(step_ab, "VARIANTS", (*step_ab.VARIANTS, "shake-experiment"))
+    monkeypatch.setitem(step_ab.BLOCK_SWITCHES, "shake-experiment", {"one_first_conv": False})
     with pytest.raises(SystemExit):
         step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,shake-experiment"])
     assert "shake-experiment: switches of the shake-shake models, not of cnn_tiny" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, import_for_triton
 
+from trainables.fast.model_swaps import speed_up_model
 from trainables.models.shakeshake import ShakeShakeBlock
 from trainables.models.segmented_bn import (SegmentedBatchNorm2d, batch_segments, convert_batch_norm,
                                             pairs_in_one_pass, segmentable)
@@ -156,12 +157,12 @@ def test_switched_block_is_the_block(monkeypatch):
     plain, paired = _block_pair(monkeypatch)
     calls = []
     pair_of = _import_interpreted().bn_relu_pair_of
-    monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
+    monkeypatch.setattr("trainables.fast.model_swaps.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     x = torch.randn(8, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     x = _cl(x)
     outs, inputs = {}, {}
     for on, block in ((False, plain), (True, paired)):
-        monkeypatch.setattr(ShakeShakeBlock, "paired_inner_bn_relu", on)
+        speed_up_model(block, paired_inner_bn_relu=on)
         inputs[on] = x.clone().requires_grad_()
         torch.manual_seed(3)   # the shake gates
         with batch_segments(segmentable(block), ((4, True), (4, False))):
@@ -206,10 +207,10 @@ def test_compiled_switched_block_is_the_eager_block(monkeypatch):
     x = _cl(torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(2)))
     w = torch.randn(8, 8, 6, 6, generator=torch.Generator().manual_seed(4))
     calls, pair_of = [], brp.bn_relu_pair_of
-    monkeypatch.setattr("trainables.models.shakeshake.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
+    monkeypatch.setattr("trainables.fast.model_swaps.bn_relu_pair_of", lambda *a: calls.append(1) or pair_of(*a))
     results = {}
     for on, block in ((False, plain), (True, paired)):
-        monkeypatch.setattr(ShakeShakeBlock, "paired_inner_bn_relu", on)
+        speed_up_model(block, paired_inner_bn_relu=on)
         xi = x.clone().requires_grad_()
 
         def run(t, block=block):

@@ -155,7 +155,6 @@ def test_the_plain_step_imports_nothing_of_the_fast_path():
         assert "trainables.step" not in imported_names(path, type_only=False), path
 
 
-@pytest.mark.xfail(reason="issue 56, 'Plain models': models/shakeshake.py still imports fast kernels", strict=True)
 def test_models_import_nothing_of_the_fast_path():
     """The models are plain PyTorch: the fused and folded variants are applied by ``fast`` to a built model."""
     wrong = {str(p.relative_to(ROOT)): sorted(n for n in imported_names(p) if n.startswith("trainables.fast"))

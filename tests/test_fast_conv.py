@@ -239,12 +239,11 @@ def test_switched_shakeshake_computes_the_same(train, folded, rows, monkeypatch)
     """The shake-shake WRN-26 switched against the unswitched model, float64, forward (and backward in training);
     ``rows``: the first block's first convolutions one by one, as where the row kernels compute them (on a GPU; here
     the operator runs PyTorch's convolution); ``folded``: eval mode's batch norms folded (stacked there always)."""
-    from trainables.models import shakeshake as models
+    from trainables.fast import model_swaps
 
-    monkeypatch.setattr(models, "computes_on_rows", lambda conv, x: rows and isinstance(conv, TritonConv2d))
-    monkeypatch.setattr(models.ShakeShakeBlock, "fold_eval_bn", folded)
+    monkeypatch.setattr(model_swaps, "computes_on_rows", lambda conv, x: rows and isinstance(conv, TritonConv2d))
     torch.manual_seed(0)
-    a = create_model("wrn26_6_shakeshake", 10).double().train(train)
+    a = model_swaps.speed_up_model(create_model("wrn26_6_shakeshake", 10), fold_eval_bn=folded).double().train(train)
     b = copy.deepcopy(a)
     assert use_triton_convs(b) == 4
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)

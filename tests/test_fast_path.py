@@ -349,3 +349,141 @@ def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(t
         weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["student"])
     assert sum("the plain step (train.fast false)" in line for line in lines) == 1, lines   # the switch's run says so
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+# ----------------------------------------------------------------------------- the fast blocks against the plain ones
+
+def _outputs_and_grads(model, x, seed=1):
+    torch.manual_seed(seed)   # the shake-shake gates
+    y = model(x)
+    y.square().sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _plain_and_fast(name="wrn26_2_shakeshake", bn_conv_bias=False, **switches):
+    """A shake-shake model (float64) and a copy with its blocks switched to the fast ones, with ``switches``."""
+    from trainables.fast.model_swaps import speed_up_model
+    from trainables.models import MODELS
+
+    plain = segmented_bn.convert_batch_norm(MODELS[name](10, bn_conv_bias=bn_conv_bias)).double()
+    return plain, speed_up_model(copy.deepcopy(plain), **switches)
+
+
+def _random_bn_state(model):
+    from trainables.models.layers import SameConv2d
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_(), m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5), m.bias.normal_()
+            elif isinstance(m, SameConv2d) and m.bias is not None:
+                m.bias.normal_()
+
+
+def test_speed_up_model_switches_the_blocks_and_keeps_the_state_dict():
+    """The fast blocks hold the plain blocks' parameters and buffers under the same keys (checkpoints load either
+    way); the switches are each block's own, a copy (the teacher) keeps them, and a misspelt one is named."""
+    from trainables.fast.model_swaps import FastShakeShakeBlock, model_switches, speed_up_model
+    from trainables.models.shakeshake import ShakeShakeBlock
+
+    plain, fast = _plain_and_fast()
+    assert {type(m) for m in plain.blocks} == {ShakeShakeBlock}
+    assert {type(m) for m in fast.blocks} == {FastShakeShakeBlock}
+    assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in fast.state_dict().items()}
+    assert all(torch.equal(v, fast.state_dict()[k]) for k, v in plain.state_dict().items())
+    assert model_switches(plain) == []
+    assert model_switches(fast) == [("FastShakeShakeBlock", ("one_first_conv", True), ("fold_eval_bn", True),
+                                     ("store_input_grad", True), ("paired_inner_bn_relu", True))]
+    teacher = make_teacher(speed_up_model(fast, fold_eval_bn=False))
+    assert [m.fold_eval_bn for m in teacher.blocks] == [False] * len(teacher.blocks)
+    assert model_switches(teacher) == model_switches(fast) != model_switches(speed_up_model(copy.deepcopy(fast)))
+    with pytest.raises(ValueError, match="Unknown switch 'fold_bn' of the fast blocks. Known: fold_eval_bn, "):
+        speed_up_model(fast, fold_bn=False)
+
+
+def test_the_trainer_switches_the_blocks_only_on_the_fast_path():
+    """``train.fast`` on: the student's and the teacher's blocks are the fast ones; off: the plain modules."""
+    from trainables.fast.model_swaps import FastShakeShakeBlock
+    from trainables.models.shakeshake import ShakeShakeBlock
+    from trainables.trainer import build_runner
+
+    for fast, kind in ((True, FastShakeShakeBlock), (False, ShakeShakeBlock)):
+        cfg = TrainConfig.from_dict({"model": "wrn26_2_shakeshake", "mix": {"name": "cowmix"},
+                                     "train": {"device": "cpu", "fast": fast}})
+        r = build_runner(cfg, 10, torch.device("cpu"))
+        assert {type(m) for m in (*r.student.blocks, *r.teacher.blocks)} == {kind}
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_one_first_conv_computes_what_two_do(train):
+    """Both branches' first convolutions as one stacked convolution: the plain block's outputs and gradients
+    (float64), in a stride-1 and a stride-2 (SAME-padded) block alike."""
+    plain, fast = _plain_and_fast(fold_eval_bn=False)   # eval mode's folded forward stacks them either way
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    y1, g1 = _outputs_and_grads(fast.train(train), x)
+    y2, g2 = _outputs_and_grads(plain.train(train), x)
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("bn_conv_bias", [False, True])
+def test_eval_with_folded_batch_norms_computes_what_unfolded_does(bn_conv_bias, monkeypatch):
+    """Eval mode's forward with each batch norm folded into the convolution before it (and the second convolutions
+    as one): the plain model's outputs (float64), with trained-looking statistics and affine parameters, biased
+    convolutions (the reference's layout) too, stride 1 and 2 blocks alike; with a gradient wanted (the unfused path)
+    the same gradients."""
+    from trainables.fast.model_swaps import FastShakeShakeBlock
+
+    plain, _ = _plain_and_fast(bn_conv_bias=bn_conv_bias)
+    _random_bn_state(plain)
+    _, fast = _plain_and_fast(bn_conv_bias=bn_conv_bias)
+    fast.load_state_dict(plain.state_dict())
+    plain.eval(), fast.eval()
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    calls = []
+    monkeypatch.setattr(FastShakeShakeBlock, "folded",
+                        lambda self, x, f=FastShakeShakeBlock.folded: calls.append(1) or f(self, x))
+    with torch.no_grad():
+        folded = fast(x)
+    assert len(calls) == len(fast.blocks)   # every block took the folded path
+    y1, g1 = _outputs_and_grads(fast, x)
+    y2, g2 = _outputs_and_grads(plain, x)
+    assert folded.abs().max() > 1.0
+    torch.testing.assert_close(folded, y2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert len(calls) == 2 * len(fast.blocks)   # and the first two calls only
+
+
+def test_folded_eval_needs_every_batch_norm_in_eval_mode():
+    """A batch norm left in training mode inside an eval-mode block (batch-norm recalibration) normalises by batch
+    statistics: the block then runs unfolded, and gives what the plain block gives."""
+    from trainables.fast.model_swaps import speed_up_model
+
+    plain, _ = _plain_and_fast()
+    _random_bn_state(plain)
+    fast = speed_up_model(copy.deepcopy(plain))
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        ys = []
+        for model in (fast, plain):
+            model.eval()
+            model.blocks[0].branch_a[2].train()
+            ys.append(model(x))
+    torch.testing.assert_close(ys[0], ys[1], rtol=1e-12, atol=1e-12)
+
+
+def test_folded_eval_is_not_taken_in_training():
+    """Training mode normalises by batch statistics, which no fold can give: the switch leaves it alone."""
+    from trainables.fast.model_swaps import speed_up_model
+
+    plain, fast = _plain_and_fast()
+    _random_bn_state(fast)
+    unfolded = speed_up_model(copy.deepcopy(fast), fold_eval_bn=False)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    y1, _ = _outputs_and_grads(fast.train(), x)
+    y2, _ = _outputs_and_grads(unfolded.train(), x)
+    assert torch.equal(y1, y2)

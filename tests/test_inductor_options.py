@@ -120,7 +120,6 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     from trainables.data import Batch
     from trainables.fast import switch
     from trainables.fast.stored_grad import register_lowering
-    from trainables.models.shakeshake import ShakeShakeBlock
     from trainables.models.segmented_bn import SegmentedBatchNorm2d
     from trainables.trainer import build_runner
 
@@ -158,20 +157,29 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     runner.fast.inductor_options["student"]["realize_reads_threshold"] = 8
     assert compile_key(runner, batch) != key
     key = compile_key(runner, batch)
-    monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", False)   # a model switch: the traced graph differs
-    assert compile_key(runner, batch) != key
-    key = compile_key(runner, batch)
     monkeypatch.setattr(SegmentedBatchNorm2d, "fuse_relu", False)   # a batch-norm switch: the traced graph differs
     assert compile_key(runner, batch) != key
 
 
-def test_every_switch_of_the_block_is_in_the_compile_key():
-    """The first-compile lock's key reads ``COMPILE_KEY_SWITCHES``: a switch left out would let a step compiled with
-    it on take kernels compiled with it off."""
-    from trainables.models.shakeshake import ShakeShakeBlock
+def test_every_switch_of_the_fast_blocks_is_in_the_compile_key():
+    """The first-compile lock's key reads the student's fast blocks' switches (``model_switches``), each of them: a
+    switch left out would let a step compiled with it on take kernels compiled with it off."""
+    import dataclasses
 
-    switches = {name for name, value in vars(ShakeShakeBlock).items() if isinstance(value, bool)}
-    assert switches == set(ShakeShakeBlock.COMPILE_KEY_SWITCHES)
+    from trainables.data import Batch
+    from trainables.fast.model_swaps import ShakeShakeSwitches, speed_up_model
+    from trainables.fast.switch import compile_key
+    from trainables.trainer import build_runner
+
+    cfg = TrainConfig.from_dict({"model": "wrn26_2_shakeshake", "train": {"compile": False}})
+    runner = build_runner(cfg, 10, CPU)
+    x = torch.zeros(2, 3, 32, 32)
+    batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+    keys = {compile_key(runner, batch)}
+    for field in dataclasses.fields(ShakeShakeSwitches):
+        speed_up_model(runner.student, **{field.name: False})
+        keys.add(compile_key(runner, batch))
+    assert len(keys) == 1 + len(dataclasses.fields(ShakeShakeSwitches))
 
 
 def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():

@@ -11,8 +11,8 @@ import torch
 from trainables.config import OptimConfig, TrainConfig
 from trainables.data import prepare_data
 from trainables.legacy_checkpoints import upgrade_optimizer_state
-from trainables.models import create_model
-from trainables.models.shakeshake import ShakeShakeBlock
+from trainables.models import MODELS, create_model
+from trainables.models.segmented_bn import convert_batch_norm
 from trainables.optim import make_optimizer
 from trainables.trainer import fit
 
@@ -21,11 +21,7 @@ from trainables.trainer import fit
 def old_layout():
     """Within: shake-shake models built in the reference's layout (biased convolutions before batch norm)."""
     def build(name="wrn26_2_shakeshake"):
-        ShakeShakeBlock.bias_free_bn_convs = False
-        try:
-            return create_model(name, 10)
-        finally:
-            ShakeShakeBlock.bias_free_bn_convs = True
+        return convert_batch_norm(MODELS[name](10, bn_conv_bias=True))
     return build
 
 
@@ -67,7 +63,7 @@ def test_upgraded_optimizer_continues_the_old_run(old_layout):
         upgrade_optimizer_state(opt_state, shuffled, new)
 
 
-def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout):
+def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout, monkeypatch):
     """fit() in the old layout, stopped after epoch 1, resumed by today's model: it finishes, and ends where a
     straight run in the old layout ends (float32 CPU: to rounding)."""
     cfg = TrainConfig.from_dict({
@@ -80,13 +76,12 @@ def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout
     def die(epoch, metrics, path):
         raise KeyboardInterrupt
 
-    ShakeShakeBlock.bias_free_bn_convs = False
-    try:
+    with monkeypatch.context() as old:   # fit builds the old layout
+        builder = MODELS["wrn26_2_shakeshake"]
+        old.setitem(MODELS, "wrn26_2_shakeshake", lambda n: builder(n, bn_conv_bias=True))
         fit(cfg, tmp_path / "straight", data=data, log=lambda s: None)
         with pytest.raises(KeyboardInterrupt):
             fit(cfg, tmp_path / "b", data=data, report=die, log=lambda s: None)
-    finally:
-        ShakeShakeBlock.bias_free_bn_convs = True
     saved = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
     assert "blocks.0.branch_a.1.bias" in saved["student"] and saved["epoch"] == 1
     fit(cfg, tmp_path / "b", data=data, log=lambda s: None)   # resumes: today's layout

@@ -6,8 +6,9 @@ import re
 import pytest
 import torch
 
-from trainables.models import count_parameters, create_model, list_models, register_model
+from trainables.models import MODELS, count_parameters, create_model, list_models, register_model
 from trainables.models.layers import BnFedConv2d, SameConv2d, same_pad
+from trainables.models.segmented_bn import convert_batch_norm
 from trainables.models.shakeshake import ShakeShakeBlock, shake_combine
 from trainables.validation import ConfigError
 
@@ -107,15 +108,6 @@ def test_block_train_gates_depend_on_rng():
     torch.testing.assert_close(out1, out3)
 
 
-@pytest.fixture
-def switches():
-    """Restores ShakeShakeBlock's class switches after a test that flips them."""
-    saved = {name: getattr(ShakeShakeBlock, name) for name in ShakeShakeBlock.COMPILE_KEY_SWITCHES}
-    yield ShakeShakeBlock
-    for name, value in saved.items():
-        setattr(ShakeShakeBlock, name, value)
-
-
 def _outputs_and_grads(model, x, seed=1):
     torch.manual_seed(seed)   # the shake-shake gates
     y = model(x)
@@ -123,31 +115,18 @@ def _outputs_and_grads(model, x, seed=1):
     return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_one_first_conv_computes_what_two_do(switches, train):
-    """Both branches' first convolutions as one stacked convolution: the same outputs and gradients (float64),
-    in a stride-1 and a stride-2 (SAME-padded) block alike."""
-    model = create_model("wrn26_2_shakeshake", 10).double().train(train)
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    switches.fold_eval_bn = False   # eval mode's folded forward stacks them either way
-    switches.one_first_conv = True
-    y1, g1 = _outputs_and_grads(model, x)
-    model.zero_grad()
-    switches.one_first_conv = False
-    y2, g2 = _outputs_and_grads(model, x)
-    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
+def reference_layout(name="wrn26_2_shakeshake", classes=10):
+    """A shake-shake model in the reference's layout (a bias on each convolution feeding a batch norm), its batch
+    norms converted as ``create_model`` converts them."""
+    return convert_batch_norm(MODELS[name](classes, bn_conv_bias=True))
 
 
-def test_bias_free_model_matches_the_reference_layout(switches):
+def test_bias_free_model_matches_the_reference_layout():
     """The reference's convolutions feeding a batch norm have a bias: with the same weights, the bias-free model
     gives the same outputs and gradients in training, the biases' own gradient is zero up to rounding, and the
     reference's state dict loads into ours, biases (made nonzero here, as rounding leaves them after training)
     folded into the running means, so eval mode gives the same outputs too."""
-    switches.bias_free_bn_convs = False
-    ref = create_model("wrn26_2_shakeshake", 10).double().train()
-    switches.bias_free_bn_convs = True
+    ref = reference_layout().double().train()
     ours = create_model("wrn26_2_shakeshake", 10).double().train()
     biased = {k for k, m in ref.named_modules() if type(m) is SameConv2d and m.bias is not None}
     assert len(biased) == 1 + len([m for m in ours.modules() if isinstance(m, BnFedConv2d)])   # + the stem
@@ -176,70 +155,11 @@ def test_bias_free_model_matches_the_reference_layout(switches):
     assert max(g_ref[n].abs().max().item() for n in dead) < 1e-9 * max(v.abs().max().item() for v in g.values())
 
 
-def _random_bn_state(model):
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.normal_(), m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.5, 1.5), m.bias.normal_()
-            elif isinstance(m, SameConv2d) and m.bias is not None:
-                m.bias.normal_()
-
-
-@pytest.mark.parametrize("bias_free", [True, False])
-def test_eval_with_folded_batch_norms_computes_what_unfolded_does(switches, bias_free, monkeypatch):
-    """Eval mode's forward with each batch norm folded into the convolution before it (and the second convolutions
-    as one): the same outputs as batch norm computed as such (float64), with trained-looking statistics and affine
-    parameters, biased convolutions (the reference's layout) too, stride 1 and 2 blocks alike; with a gradient
-    wanted (the unfused path) the same gradients."""
-    switches.bias_free_bn_convs = bias_free
-    model = create_model("wrn26_2_shakeshake", 10).double().eval()
-    _random_bn_state(model)
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    calls = []
-    monkeypatch.setattr(ShakeShakeBlock, "folded", lambda self, x, f=ShakeShakeBlock.folded: calls.append(1) or f(self, x))
-    switches.fold_eval_bn = True
-    with torch.no_grad():
-        folded = model(x)
-    assert len(calls) == len(model.blocks)   # every block took the folded path
-    y1, g1 = _outputs_and_grads(model, x)
-    model.zero_grad()
-    switches.fold_eval_bn = False
-    y2, g2 = _outputs_and_grads(model, x)
-    assert folded.abs().max() > 1.0
-    torch.testing.assert_close(folded, y2, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-10, atol=1e-12, msg=n)
-    assert len(calls) == 2 * len(model.blocks)   # and the first two calls only
-
-
-def test_folded_eval_needs_every_batch_norm_in_eval_mode(switches):
-    """A batch norm left in training mode inside an eval-mode block (batch-norm recalibration) normalises by batch
-    statistics: the block then runs unfolded, and gives what it gives with the switch off."""
-    model = create_model("wrn26_2_shakeshake", 10).double().eval()
-    _random_bn_state(model)
-    model.blocks[0].branch_a[2].train()
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    with torch.no_grad():
-        switches.fold_eval_bn = True
-        y1 = model(x)
-        switches.fold_eval_bn = False
-        y2 = model(x)
-    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
-
-
-def test_folded_eval_is_not_taken_in_training(switches):
-    """Training mode normalises by batch statistics, which no fold can give: the switch leaves it alone."""
-    model = create_model("wrn26_2_shakeshake", 10).double().train()
-    _random_bn_state(model)
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    switches.fold_eval_bn = True
-    y1, _ = _outputs_and_grads(model, x)
-    model.zero_grad()
-    switches.fold_eval_bn = False
-    y2, _ = _outputs_and_grads(model, x)
-    assert torch.equal(y1, y2)
+def test_plain_models_are_the_plain_blocks():
+    """``create_model`` builds the plain modules; the fast path switches a built model's blocks
+    (``trainables.fast.model_swaps``)."""
+    model = create_model("wrn26_2_shakeshake", 10)
+    assert {type(m) for m in model.blocks} == {ShakeShakeBlock}
 
 
 def test_model_eval_is_deterministic():

@@ -15,6 +15,7 @@ from torch._inductor import ir, lowering
 from torch._inductor.utils import run_and_get_code
 from torch._inductor.virtualized import V
 
+from trainables.fast.model_swaps import speed_up_model
 from trainables.fast.stored_grad import register_lowering, stored_grad
 from trainables.models.shakeshake import ShakeShakeBlock
 
@@ -102,9 +103,9 @@ def test_compiled_gradients_are_unchanged_and_stored_in_the_traced_layout(lowere
 
 @pytest.mark.parametrize("store", [True, False])
 def test_shake_shake_block_with_its_input_gradient_stored_or_not(monkeypatch, lowered, store):
-    """A training block compiled with ``store_input_grad`` (the default) stores its input's gradient, and without it
-    (step_ab's unstored-input-grads) stores none; either gives the eager block's output and gradients (Inductor's
-    random numbers drawn as eagerly, so both draw the same shake gates)."""
+    """A fast training block compiled with ``store_input_grad`` (the default) stores its input's gradient, and without
+    it (step_ab's unstored-input-grads) stores none; either gives the eager plain block's output and gradients
+    (Inductor's random numbers drawn as eagerly, so both draw the same shake gates)."""
     torch.manual_seed(0)
     block = ShakeShakeBlock(8, 16, 2).double().train()
     x = torch.randn(4, 8, 8, 8, dtype=torch.float64, requires_grad=True)
@@ -119,7 +120,7 @@ def test_shake_shake_block_with_its_input_gradient_stored_or_not(monkeypatch, lo
         return out.detach(), grads
 
     out_eager, grads_eager = run(block)
-    monkeypatch.setattr(ShakeShakeBlock, "store_input_grad", store)
+    speed_up_model(block, store_input_grad=store)
     torch._dynamo.reset()
     try:
         with inductor.patch(fx_graph_cache=False, fallback_random=True):

@@ -27,6 +27,7 @@ from trainables.data import (NORMALISATION, DeviceData, LoaderData, RawDataset, 
                              prepare_data, scored_images)
 from trainables.data.image_files import rescale_wide, unreadable
 from trainables.data.image_decode import UNREADABLE, decode_images
+from trainables.fast.switch import speed_up_model
 from trainables.models import create_model
 from trainables.step import evaluate
 from trainables.trainer import CHECKPOINT
@@ -244,6 +245,8 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
     scores: dict[str, dict[str, float]] = {}
     for name in ("teacher", "student"):
         model = create_model(cfg.model, len(names))
+        if cfg.train.fast:
+            speed_up_model(model)   # the fast blocks, as the run evaluated (the shake-shake model's folded eval mode)
         try:
             model.load_state_dict(ckpt[name])
         except RuntimeError as exc:

@@ -1,5 +1,6 @@
 """A shake-shake block's two inner batch norms and ReLUs as one function over the stacked first convolution's
-output, with a backward pass of three Triton kernels of our own (``ShakeShakeBlock.paired_inner_bn_relu``, on).
+output, with a backward pass of three Triton kernels of our own (``model_swaps.FastShakeShakeBlock``'s
+``paired_inner_bn_relu``, on).
 
 Why: with one batch norm and one ReLU per branch, Inductor's backward kernels read each ReLU's output for its mask
 (2.8 GB a step in the WRN-26 shake-shake 96x2d, a sixth of the backward pass's Inductor bytes). Taking the mask

@@ -12,7 +12,6 @@ import torch
 
 from trainables.fast.fast_conv import TritonConv2d
 from trainables.models.segmented_bn import SegmentedBatchNorm2d
-from trainables.models.shakeshake import ShakeShakeBlock
 
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
@@ -43,12 +42,13 @@ DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
 # blocks and each kernel of those blocks read every partial gradient again: the backward's Inductor kernels moved
 # 28 GB a step, one of them 1.7 GB. Under 4 it is stored every other block: the CowMix step 24.5 -> 26.1 steps/s
 # (H100, 2026-11-27, student and teacher together; the teacher, which has no backward, was not measured alone;
-# docs/journal/2026-11-27.md). Since then ShakeShakeBlock.store_input_grad stores it at every block whatever the
+# docs/journal/2026-11-27.md). Since then FastShakeShakeBlock.store_input_grad stores it at every block whatever the
 # threshold, and 4 still measured a little faster than 8 (26.4 against 26.2 steps/s, untuned).
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
 
-# Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key.
-GRAPH_SWITCH_OWNERS = (ShakeShakeBlock, SegmentedBatchNorm2d, TritonConv2d)
+# Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key (the
+# fast blocks' switches are their own, and the key reads them from the student: model_swaps.model_switches).
+GRAPH_SWITCH_OWNERS = (SegmentedBatchNorm2d, TritonConv2d)
 
 
 def realize_reads_wanted(cfg: TrainConfig) -> int | None:

@@ -5,8 +5,8 @@ adds the bias and clamps: one more pass over the output, read and written. cuDNN
 (``torch.cudnn_convolution_relu``) applies both in the convolution's epilogue. Measured on an NVIDIA H100 80GB HBM3,
 2026-11-27, bf16, channels_last, N=256, a shake-shake teacher's stacked first convolutions: 96 -> 192 channels at
 32x32 151 us against 395 for conv, bias and ReLU as three eager kernels; 192 -> 384 at 16x16 124 against 240
-(``benchmarks/shakeshake_convs.py``, in history at 3a6369c). In the shake-shake teacher (``ShakeShakeBlock.folded``)
-the whole fold gave +1.6% in the CowMix step (docs/journal/2026-11-27.md).
+(``benchmarks/shakeshake_convs.py``, in history at 3a6369c). In the shake-shake teacher
+(``model_swaps.FastShakeShakeBlock.folded``) the whole fold gave +1.6% in the CowMix step (docs/journal/2026-11-27.md).
 
 ``cowtune::conv_bias_relu`` wraps it as an operator torch.compile keeps whole (it has no meta kernel of its own to
 trace). It has no autograd formula: ``conv_bias_relu`` calls it only where no gradient is wanted, on CUDA, and

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainables.fast.wgrad_stream import SWITCHED_CONVS, format_of, on_side, switch_convs
+from trainables.models.layers import SameConv2d
 
 CHANNEL_MULTIPLE = 16   # output channels: the kernels' tensor-core tiles
 
@@ -196,8 +197,6 @@ def _plain_convolution(m: nn.Module) -> bool:
         return m.bias is None or TritonConv2d.same_and_biased
     if not TritonConv2d.same_and_biased:
         return False
-    from trainables.models.layers import SameConv2d   # here: the models import this module
-
     return (isinstance(m, SameConv2d) and not m.dynamic_pad and type(m).forward is SameConv2d.forward
             and type(m)._conv_forward is nn.Conv2d._conv_forward)
 

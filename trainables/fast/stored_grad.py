@@ -12,8 +12,8 @@ and hands that buffer on. Everything else is fused as before. The lowering is re
 (the trainer calls it before compiling); without it Inductor calls the operator as a copy that no kernel fuses
 with, as it runs eagerly, so ``stored_grad`` applies it only while compiling.
 
-Used by the shake-shake blocks while ``ShakeShakeBlock.store_input_grad`` is on (the default: +2.2% in an untuned
-A/B run of the WRN-26 shake-shake step on an H100; docs/journal/2026-11-27.md).
+Used by the fast shake-shake blocks (``trainables.fast.model_swaps``) while their ``store_input_grad`` is on (the
+default: +2.2% in an untuned A/B run of the WRN-26 shake-shake step on an H100; docs/journal/2026-11-27.md).
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 
 The core (``trainables.step``, ``trainables.trainer``) imports from ``trainables.fast`` only through this module:
 
-* ``prepare_student(student, cfg, device)``: the student's convolutions switched to our Triton kernels and to the
-  weight-gradient stream, where ``train.conv_kernels`` and ``train.wgrad_stream`` ask for them;
+* ``prepare_student(student, cfg, device)``: the student's blocks switched to their fast variants (``model_swaps``),
+  and its convolutions to our Triton kernels and to the weight-gradient stream, where ``train.conv_kernels`` and
+  ``train.wgrad_stream`` ask for them;
+* ``speed_up_model``: the blocks' fast variants alone, for a model that only evaluates (``trainables.evaluate``);
 * ``FastStep(train_step, runner)``: the plain step, ``trainables.step.train_step``, made fast as ``train`` asks:
   that same function called with other kernels (compiled models, masks, losses and EMA, the teacher on its own CUDA
   stream, the update in two parts around the weight-gradient stream's join) and its numbers as device tensors, or
@@ -35,6 +37,7 @@ from trainables.fast.cuda_streams import shared_stream
 from trainables.fast.device_numbers import draws_on_device, on_device
 from trainables.fast.fast_conv import apply_conv_kernels
 from trainables.fast.gpu_turns import gpu_identity, gpu_turn
+from trainables.fast.model_swaps import model_switches, speed_up_model
 from trainables.fast.split_update import UpdatePart, sgd_part_, split_update
 from trainables.fast.step_graph import StepGraph
 from trainables.fast.stored_grad import register_lowering as register_store_lowering
@@ -46,7 +49,8 @@ if TYPE_CHECKING:
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student"]
+__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student",
+           "speed_up_model"]
 
 
 class Switches:
@@ -60,8 +64,10 @@ class Switches:
 
 
 def prepare_student(student: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
-    """Switch the student's convolutions as ``train.conv_kernels`` and ``train.wgrad_stream`` ask (before it is
-    copied into the teacher and given to the optimiser: the switched layers keep their parameters)."""
+    """Switch the student's blocks to their fast variants, and its convolutions as ``train.conv_kernels`` and
+    ``train.wgrad_stream`` ask (before it is copied into the teacher and given to the optimiser: the switched
+    modules keep their parameters)."""
+    speed_up_model(student)
     apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
     apply_wgrad_stream(student, cfg.train.wgrad_stream, cfg.train.cuda_graph, device)   # the other convolutions
 
@@ -243,5 +249,5 @@ def compile_key(r: StepRunner, batch: Batch) -> str:
                     cfg.train.compile_mode, r.cuda_graph, cfg.train.stack_student_calls, cfg.train.bn_batch,
                     r.memory_format, r.bf16, cfg.train.conv_kernels, fast.wgrad_stream,
                     cfg.train.compile_masks_and_losses, fast.ema_compiled, fast.update_parts is not None,
-                    sorted(fast.inductor_options.get("student", {}).items()),
+                    sorted(fast.inductor_options.get("student", {}).items()), model_switches(r.student),
                     [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])
