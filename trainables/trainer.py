@@ -65,9 +65,8 @@ def resolve_device(setting: str) -> torch.device:
 
 def autotune_convolutions() -> None:
     """cuDNN times every algorithm it has for each convolution shape at its first call and keeps the
-    fastest, instead of only the 10 its heuristics rank first (``benchmark_limit`` 10, PyTorch's default).
-    WRN-28-2 CowMix on an H100: 134.0 -> 140.6 steps/s with synthetic images, 133.4 -> 139.9 with real
-    ones (one process per run, two each way, alternating; 2026-11-26)."""
+    fastest, instead of only the 10 its heuristics rank first (``benchmark_limit`` 10, PyTorch's default): timing
+    them all made the step faster (measured: docs/journal/2026-11-26.md)."""
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.benchmark_limit = 0
 

@@ -47,7 +47,7 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
     fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
     # the one-pass path leaves its statistics to ``batch_segments``, which updates every layer's running statistics
     # and batch count in a few foreach kernels after the call, instead of two to three small kernels per layer inside
-    # it (H200 A/B: WRN-28-2 217.4 -> 219.0 steps/s, shake-shake 28.0 either way); off: inside (for A/B timings)
+    # it (fewer launches; measured in docs/journal/2026-11-28.md); off: inside (for A/B timings)
     defer_stats = True
     COMPILE_KEY_SWITCHES = ("fuse_relu", "defer_stats")   # those that change a compiled graph
 
