@@ -47,4 +47,4 @@ def test_the_device_decode_reads_only_its_shards_files(tree):
         data._read = lambda split, idx: read.append(list(idx)) or original(split, idx)
         list(data.eval_batches("val", 2, shard=(1, 3)))
         val = list(data.splits.val)
-        assert read == [val[2:4], val[8:10]][:len(read)] and len(read) == len(range(2, len(val), 6)), name
+        assert len(val) == 7 and read == [val[2:4]], name   # batches of 2 over 7 rows, world 3: rank 1 has batch 1 only

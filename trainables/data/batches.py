@@ -127,6 +127,13 @@ def _check_batching(batch_size: int, steps: int, shard: tuple[int, int] = (0, 1)
     return batch_size // world
 
 
+def eval_starts(count: int, batch_size: int, shard: tuple[int, int]) -> range:
+    """Where each of a shard's evaluation batches starts among ``count`` rows: batch k of the whole split for
+    k % world == rank (``shard`` = (rank, world)); the last batch may be short."""
+    rank, world = shard
+    return range(rank * batch_size, count, world * batch_size)
+
+
 def _check_eval_split(split: str, sizes: dict[str, int]) -> None:
     check(split in ("val", "test"), "data.eval_split", "be 'val' or 'test'", split)
     check(split != "val" or sizes["val"] > 0, "data.eval_split",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainables.data.batches import (Batch, _check_batching, _check_eval_split, _describe_sizes, _generator,
-                                     _norm_constants, _sizes, epoch_order, normalise)
+                                     eval_starts, _norm_constants, _sizes, epoch_order, normalise)
 from trainables.validation import check
 
 if TYPE_CHECKING:
@@ -178,9 +178,8 @@ class DeviceData:
         """(x (b, C, H, W) float32 normalised, y (b,) int64) in index order; the last batch may be short."""
         images, labels, idx = self._eval_source(split)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
-        rank, world = shard
         return ((normalise(images[idx[i:i + batch_size]], self._scale, self._shift), labels[idx[i:i + batch_size]])
-                for i in range(rank * batch_size, len(idx), world * batch_size))
+                for i in eval_starts(len(idx), batch_size, shard))
 
     def _eval_source(self, split: str) -> tuple[Tensor, Tensor, Tensor]:
         _check_eval_split(split, self.sizes)

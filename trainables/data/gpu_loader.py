@@ -21,7 +21,7 @@ from torch import Tensor
 
 from trainables.data import gpu_decode as G
 from trainables.data.batches import (Batch, _check_batching, _check_eval_split, _describe_sizes, _generator,
-                                     epoch_order, normalise, stream_seed)
+                                     eval_starts, epoch_order, normalise, stream_seed)
 from trainables.data.image_files import FileImages
 from trainables.data.loader import LoaderData
 from trainables.validation import check
@@ -104,8 +104,7 @@ class DecodedData(LoaderData):
         _check_eval_split(split, self.sizes)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
         idx = self.splits.val if split == "val" else np.arange(self.sizes["test"])
-        rank, world = shard
-        chunks = [idx[s:s + batch_size] for s in range(rank * batch_size, len(idx), world * batch_size)]
+        chunks = [idx[s:s + batch_size] for s in eval_starts(len(idx), batch_size, shard)]
 
         def make(k: int) -> tuple[Tensor, Tensor]:
             images = self._read(split, chunks[k])

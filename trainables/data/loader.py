@@ -15,7 +15,7 @@ from PIL import Image
 from torch import Tensor
 
 from trainables.data.batches import (Batch, _check_batching, _check_eval_split, _describe_sizes, _generator,
-                                     _norm_constants, _sizes, epoch_order, normalise, stream_seed)
+                                     eval_starts, _norm_constants, _sizes, epoch_order, normalise, stream_seed)
 from trainables.data.image_files import FileImages
 from trainables.validation import check
 
@@ -247,8 +247,7 @@ class LoaderData:
         _check_eval_split(split, self.sizes)
         check(batch_size >= 1, "batch_size", "be >= 1", batch_size)
         idx = self.splits.val if split == "val" else np.arange(self.sizes["test"])
-        rank, world = shard
-        starts = range(rank * batch_size, len(idx), world * batch_size)
+        starts = eval_starts(len(idx), batch_size, shard)
         loader, sampler = self._loader("eval")
         sampler.make = lambda: ([(split, int(i)) for i in idx[s:s + batch_size]] for s in starts)
         sampler.count = len(starts)
