@@ -153,7 +153,7 @@ def settings(args: argparse.Namespace, tree: Path, n_labeled: int) -> dict[str, 
     common = [f"data.root={tree}", f"model={args.model}", f"data.image_size={args.crop}",
               f"data.n_labeled={n_labeled}", f"data.decode={args.decode}", f"data.workers={args.workers}",
               f"train.batch_size={args.batch}", f"train.eval_batch_size={args.eval_batch}",
-              f"train.epochs={args.epochs}", schedule(args.epochs), f"mix.sigma_range=[{lo:.4g}, {hi:.4g}]",
+              f"train.epochs={args.epochs}", schedule(args.epochs), f"mix.sigma_range=[{lo:.6g}, {hi:.6g}]",
               *TEN_CLASS, *EAGER, f"seed={args.seed}"]
     if args.steps_per_epoch:
         common.append(f"train.steps_per_epoch={args.steps_per_epoch}")
