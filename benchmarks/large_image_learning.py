@@ -2,7 +2,7 @@
 large-image path (the ``imagenet_cowmix`` preset, ResNet-50, inception crops, data.decode auto), supervised and CowMix
 on the same 10% of the labels, with per-epoch holdout error for both in one JSON and one PNG.
 
-    COWTUNE_COMMIT=<sha> python3 benchmarks/large_image_learning.py --out $OUT/large_image   # one H200, ~6 minutes
+    COWTUNE_COMMIT=<sha> python3 benchmarks/large_image_learning.py --out $OUT/large_image   # one H200, ~5.5 minutes
     python3 benchmarks/large_image_learning.py plot OUT/large_image.json --out docs/results/large_image.png
     python3 benchmarks/large_image_learning.py --smoke --out /tmp/li   # CPU, a tiny tree, seconds (tests/ runs it)
 
@@ -57,7 +57,7 @@ PRESET_SIDE = 224       # the preset's crop, which its sigma range (32, 128) is 
 # What depends on the number of classes and on the run's length, not on the image size: the paper's CIFAR-10 values
 # (the cifar10_cowmix preset), as 10 classes and a run of a few thousand steps are CIFAR's, not ImageNet's. The paper
 # re-set omega and the threshold for 1,000 classes (30 -> 100, 0.6 -> 0.5); alpha 0.999 averages over 1,000 steps,
-# right for ImageNet's 225,000 and a quarter of this run.
+# right for ImageNet's 225,000 and over a quarter of this run's 3,510.
 TEN_CLASS = ["mix.weight=30", "mix.conf_thresh=0.6", "teacher.alpha=0.97"]
 RUNS = ("supervised", "cowmix")
 COST = {"supervised": 0.42, "cowmix": 0.58}   # each run's share of the training budget (its estimated share of time)
