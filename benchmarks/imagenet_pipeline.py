@@ -187,7 +187,7 @@ def run_case(model: str, case: str, tree: Path, n_labeled: int, args: argparse.N
     cfg = case_config(model, case, tree, n_labeled, args, fraction)
     device = setup_device(cfg)
     cold = evict(tree) if case != "predecoded" and not args.warm_cache else False
-    data = prepare_data(cfg.data, cfg.labeled_seed, device, compiled=cfg.train.compile)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, compiled=cfg.train.fast.compile)
     runner = build_runner(cfg, data.num_classes, device)
     total = args.warmup + max(args.steps, 3000)   # more than a window takes: produced lazily, closed after it
     batches = data.train_batches(0, cfg.seed, cfg.train.batch_size, total, False)

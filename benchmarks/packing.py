@@ -33,7 +33,7 @@ def _trial(config: dict[str, Any]) -> None:
     if device.type == "cuda" and config["fraction"] < 1:
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(config["fraction"], index)
-    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.fast.compile)
 
     first = [True]
 

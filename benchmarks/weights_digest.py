@@ -9,7 +9,7 @@ the teacher and the optimiser state a case, as JSON. Run it before and after a r
 
 The cases cover the plain step and the CPU side of the fast path's switches: one student call a batch or the
 batches stacked with per-batch batch norm, ghost batch norm, both consistency paths, every regularizer, a
-shake-shake model, ``train.fast`` false, and the step's glue compiled with Inductor.
+shake-shake model, ``train.fast`` false (the plain step), and the step's glue compiled with Inductor.
 """
 from __future__ import annotations
 
@@ -31,14 +31,15 @@ LOW = ["perturb.conf_thresh=0.105", "mix.conf_thresh=0.105"]   # the tiny untrai
 CASES = {   # --set overrides over BASE, as `cowtune train` takes them
     "cowmix": ["mix.name=cowmix"],
     "cowout": ["perturb.name=cowout"],
-    "cowout+cowmix, one call a batch": ["perturb.name=cowout", "mix.name=cowmix", "train.stack_student_calls=false"],
-    "cowout+cowmix, stacked": ["perturb.name=cowout", "mix.name=cowmix", "train.stack_student_calls=true"],
+    "cowout+cowmix, one call a batch": ["perturb.name=cowout", "mix.name=cowmix",
+                                        "train.fast.stack_student_calls=false"],
+    "cowout+cowmix, stacked": ["perturb.name=cowout", "mix.name=cowmix", "train.fast.stack_student_calls=true"],
     "cowmix, ghost batch norm 4": ["mix.name=cowmix", "train.bn_batch=4"],
     "shake-shake cowmix": ["mix.name=cowmix", "model=wrn26_2_shakeshake", "train.batch_size=4",
                            "train.steps_per_epoch=2"],
-    "cowmix, compiled": ["mix.name=cowmix", "train.compile=true"],
+    "cowmix, compiled": ["mix.name=cowmix", "train.fast.compile=true"],
     # thresholds low enough that the consistency losses are not 0 in these few steps
-    "cowout+cowmix, compiled, low thresholds": ["perturb.name=cowout", "mix.name=cowmix", "train.compile=true",
+    "cowout+cowmix, compiled, low thresholds": ["perturb.name=cowout", "mix.name=cowmix", "train.fast.compile=true",
                                                 *LOW],
     "cowout+cowmix, plain step (train.fast false)": ["perturb.name=cowout", "mix.name=cowmix", "train.fast=false",
                                                      *LOW],
@@ -51,7 +52,7 @@ CASES = {   # --set overrides over BASE, as `cowtune train` takes them
     "cutmix fixed, plain step": ["mix.name=cutmix", "mix.scale_mode=fixed", "mix.conf_thresh=0.105",
                                  "train.fast=false"],
     "cutmix fixed, compiled": ["mix.name=cutmix", "mix.scale_mode=fixed", "mix.conf_thresh=0.105",
-                               "train.compile=true"],
+                               "train.fast.compile=true"],
 }
 
 

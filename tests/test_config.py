@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,7 +50,14 @@ def test_overrides_and_ranges():
     (["data.n_val=0", "data.eval_split=val"], r"data.eval_split must be 'test' when data.n_val is 0"),
     (["optim.steps=[[240, 0.04], [120, 0.2]]"], r"optim.steps must be sorted by epoch"),
     (["train.epochs"], r"--set takes key=value"),
-    (["train.conv_kernels=cutlass"], r"train.conv_kernels must be 'cudnn' or 'triton', got 'cutlass'"),
+    (["train.fast.conv_kernels=cutlass"], r"train.fast.conv_kernels must be 'cudnn' or 'triton', got 'cutlass'"),
+    (["train.conv_kernels=cutlass"], r"train.fast.conv_kernels must be 'cudnn' or 'triton', got 'cutlass'"),
+    (["train.fast.enabld=false"], r"Unknown key in train.fast 'enabld'.*Did you mean 'enabled'"),
+    (["train.fast=maybe"], r"train.fast must be true, false or a mapping of its settings, got 'maybe'"),
+    (["train.fast=false", "train.fast.cuda_graph=step", "train.fast.compile=true"],
+     r"train.fast.compile must be false or left out: train.fast.enabled is false"),
+    (["train.compile=true", "train.fast.compile=false"], r"train.compile and train.fast.compile are both given: "
+                                                         r"train.compile is the layout before 2026-12-03"),
 ])
 def test_bad_config_names_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -60,6 +69,35 @@ def test_unknown_preset_and_missing_file():
         read_config_file("cifar10_cowmx")
     with pytest.raises(ConfigError, match="does not exist"):
         read_config_file("nope/config.yaml")
+
+
+def test_train_fast_is_one_section_its_shorthand_and_the_layout_before_it():
+    """The speed settings are one section, ``train.fast``: ``--set train.fast=false`` (or ``fast: false`` in a file)
+    is ``train.fast.enabled=false`` in any order beside other ``train.fast`` settings; the layout before 2026-12-03
+    (``train.compile`` beside ``train.fast: false``, as old checkpoints and searches' stores hold it) reads as the
+    nested one, and a config is written back in the nested one only."""
+    from trainables.config import FLAT_FAST_KEYS, FastSettings, TrainSettings
+
+    assert {f.name for f in dataclasses.fields(FastSettings)} == {"enabled", *FLAT_FAST_KEYS}
+    assert not {f.name for f in dataclasses.fields(TrainSettings)} & set(FLAT_FAST_KEYS)
+    off = load_config("fast", ["train.fast=false"])
+    assert off.train.fast.enabled is False and off.train.fast.compile is False
+    assert load_config("fast", ["train.fast.enabled=false"]) == off
+    both = load_config("fast", ["train.fast.gpu_turns=false", "train.fast=false"])
+    assert both == load_config("fast", ["train.fast=false", "train.fast.gpu_turns=false"]) != off
+    assert both.train.fast.gpu_turns is False
+    assert TrainConfig.from_dict({"train": {"fast": True}}) == TrainConfig()
+    spelled = {"precision": "fp32", "compile": True, "cuda_graph": "model", "tune_kernels": False, "gpu_turns": False}
+    nested = TrainConfig.from_dict({"train": {"epochs": 3, "fast": spelled}})
+    assert TrainConfig.from_dict({"train": {"epochs": 3, **spelled}}) == nested   # the layout before 2026-12-03
+    assert TrainConfig.from_dict({"train": {"fast": False, "compile": False}}) == TrainConfig.from_dict(
+        {"train": {"fast": False}})
+    written = nested.to_dict()["train"]
+    assert not set(written) & set(FLAT_FAST_KEYS) and written["fast"]["compile"] is True
+    assert TrainConfig.from_dict(nested.to_dict()) == nested and TrainConfig.from_dict(off.to_dict()) == off
+    with pytest.raises(ConfigError, match="train.fast.compile must be false when train.fast.enabled is false"):
+        FastSettings(enabled=False)   # a constructor call gets no plain values: FastSettings.from_plain gives them
+    assert FastSettings.from_plain(False) == off.train.fast
 
 
 def test_set_creates_nested_mapping():

@@ -40,9 +40,9 @@ def test_compiled_step_matches_eager_step(dtype):
     over 16 tiny images amplifies the compiled kernels' other rounding to 1e-4 within two steps)."""
     base = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 30},
             "perturb": {"name": "cowout", "conf_thresh": 0.0}, "mix": {"name": "cowmix", "conf_thresh": 0.0},
-            "train": {"batch_size": 16, "device": "cpu", "precision": "fp32"}}
-    eager_cfg = TrainConfig.from_dict({**base, "train": {**base["train"], "compile": False}})
-    fast_cfg = TrainConfig.from_dict({**base, "train": {**base["train"], "compile": True}})
+            "train": {"batch_size": 16, "device": "cpu"}}
+    eager_cfg, fast_cfg = (TrainConfig.from_dict({**base, "train": {**base["train"], "fast": fast}})
+                           for fast in ({"precision": "fp32", "compile": False}, {"precision": "fp32", "compile": True}))
     data = prepare_data(eager_cfg.data, 0, torch.device("cpu"))
     batches = [as_dtype(b, dtype) for b in data.train_batches(0, 0, 16, 2, False)]
     default = torch.get_default_dtype()
@@ -78,12 +78,13 @@ def test_stacked_student_call_matches_separate_calls(method, one_pass, monkeypat
     In float64: in float32 the two differ by rounding at first (1e-6), which batch norm over 16
     tiny images amplifies to 1e-3 within a few steps, too loose to tell a real difference."""
     d = {"model": "cnn_tiny", "data": {"dataset": "digits", "n_val": 200, "n_labeled": 30}, **METHODS[method],
-         "train": {"batch_size": 16, "device": "cpu", "precision": "fp32", "compile": False}}
+         "train": {"batch_size": 16, "device": "cpu", "fast": {"precision": "fp32", "compile": False}}}
     for key in ("perturb", "mix"):   # every sample passes the threshold: the unlabeled losses are not 0
         if d.get(key):
             d[key] = {**d[key], "conf_thresh": 0.0}
     monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", one_pass)
-    separate_cfg = TrainConfig.from_dict({**d, "train": {**d["train"], "stack_student_calls": False}})
+    separate_cfg = TrainConfig.from_dict({**d, "train": {**d["train"], "fast": {**d["train"]["fast"],
+                                                                                 "stack_student_calls": False}}})
     stacked_cfg = TrainConfig.from_dict(d)
     data = prepare_data(stacked_cfg.data, 0, torch.device("cpu"))
     twice = stacked_cfg.perturb is not None and stacked_cfg.perturb.regularizer.augment_twice
@@ -287,7 +288,7 @@ def _schedule_config(path: str, seed: int) -> TrainConfig:
          "mix": {"name": "cowmix", "weight": 30.0, "conf_thresh": 0.5, "sigma_range": [2.0, 8.0]},
          "train": {"batch_size": 32, "epochs": 8, "steps_per_epoch": 25, "device": "cpu", "eval_batch_size": 500,
                    "threads": 2,
-                   **({"compile": True, "stack_student_calls": True} if path == "fast" else {"fast": False})}}
+                   "fast": {"compile": True, "stack_student_calls": True} if path == "fast" else False}}
     return TrainConfig.from_dict(d)
 
 
@@ -315,39 +316,42 @@ def test_fast_path_learns_what_the_plain_path_learns_over_a_whole_schedule(tmp_p
 
 
 def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(tmp_path):
-    """``train.fast: false`` is one switch for the plain step: it sets each of ``PLAIN_TRAIN``'s settings (and the
-    config says so when written back), the runner is not sped up (eager models and glue, no stream or graph), and a
-    run with it ends with the weights of a run that sets those settings one by one. A setting beside it that is
-    neither its default nor its plain value is named before anything runs."""
-    from trainables.config import PLAIN_TRAIN
+    """``train.fast: false`` (``train.fast.enabled`` false) is one switch for the plain step: it sets each of
+    ``PLAIN_FAST``'s settings (and the config says so when written back), the runner is not sped up (eager models
+    and glue, no stream or graph), and a run with it ends with the weights of a run that sets those settings one by
+    one. A setting beside it that is neither its default nor its plain value is named before anything runs."""
+    from trainables.config import PLAIN_FAST
+    from trainables.fast.switch import fast_path
     from trainables.trainer import build_runner
     from trainables.validation import ConfigError
 
-    def config(**train):
+    def config(fast=True, **settings):
         d = _schedule_config("fast", 0).to_dict()
-        d["train"].update({"epochs": 1, "steps_per_epoch": 3, "compile": None, "stack_student_calls": True, **train})
+        d["train"].update({"epochs": 1, "steps_per_epoch": 3})
+        d["train"]["fast"].update({"compile": None, "stack_student_calls": True, "enabled": fast, **settings})
         return TrainConfig.from_dict(d)
 
     plain = config(fast=False)
-    assert {k: getattr(plain.train, k) for k in PLAIN_TRAIN} == dict(PLAIN_TRAIN)
-    assert TrainConfig.from_dict(plain.to_dict()) == plain
+    assert {k: getattr(plain.train.fast, k) for k in PLAIN_FAST} == dict(PLAIN_FAST)
+    assert TrainConfig.from_dict(plain.to_dict()) == plain and fast_path(plain) is None
     assert config(fast=False, precision="fp32", cuda_graph="none").train == plain.train   # plain values may be set
     # a setting at its default takes the plain value (a config written out in full names every default)
     assert config(fast=False, stack_student_calls=True, cuda_graph="step").train == plain.train
     for name, value in (("compile", True), ("precision", "bf16"), ("cuda_graph", "model")):   # neither
-        with pytest.raises(ConfigError, match=f"train.{name} must be .* or left out: train.fast is false"):
+        with pytest.raises(ConfigError, match=f"train.fast.{name} must be .* or left out: train.fast.enabled is false"):
             config(fast=False, **{name: value})
 
     runner = build_runner(plain, 10, torch.device("cpu"))
     assert runner.fast is None and runner.stacked_bns is None and not runner.compiled   # not entered at all
     assert runner.kernels.student is runner.student
-    spelled_out = config(**{k: v for k, v in PLAIN_TRAIN.items()})
+    spelled_out = config(**{k: v for k, v in PLAIN_FAST.items()})
+    assert fast_path(spelled_out) is not None   # the fast path entered, with each setting at its plain value
     data = prepare_data(plain.data, 0, torch.device("cpu"))
     weights, lines = [], []
     for name, cfg in (("switch", plain), ("spelled", spelled_out)):
         fit(cfg, tmp_path / name, data=data, log=lines.append)
         weights.append(torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["student"])
-    assert sum("the plain step (train.fast false)" in line for line in lines) == 1, lines   # the switch's run says so
+    assert sum("the plain step (train.fast.enabled false)" in line for line in lines) == 1, lines   # the switch's
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 

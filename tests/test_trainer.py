@@ -292,7 +292,7 @@ def test_running_out_of_gpu_memory_stops_the_run_in_one_line(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     sets = ["model=wrn28_2", "data.dataset=digits", "data.n_val=200", "data.n_labeled=50", "data.eval_split=val",
-            "train.batch_size=4096", "train.steps_per_epoch=2", "train.epochs=1", "train.tune_kernels=false"]
+            "train.batch_size=4096", "train.steps_per_epoch=2", "train.epochs=1", "train.fast.tune_kernels=false"]
     out = subprocess.run([sys.executable, "-c", GPU_CAPPED, "train", "cifar10_cowmix", "--out", str(tmp_path / "run"),
                           *[a for s in sets for a in ("--set", s)]],
                          cwd=root, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,10 @@
 A config is a tree of frozen dataclasses. ``TrainConfig.from_dict`` builds one from plain data
 (YAML, JSON, a Tune sample) and rejects unknown keys and bad values with a message naming the
 field; ``to_dict`` goes back. Defaults follow the authors' published command-line defaults
-(CowMix on CIFAR-10 with 1,000 labels) except where a field's comment says otherwise.
+(CowMix on CIFAR-10 with 1,000 labels) except where a field's comment says otherwise. What only makes a run faster
+is one section, ``train.fast`` (``FastSettings``); ``train.fast: false`` is the plain step. ``from_dict`` also reads
+the layout before 2026-12-03, with those settings directly under ``train`` (``upgrade_layout``), so that old
+checkpoints, run folders and searches' stores still load; ``to_dict`` writes today's.
 """
 from __future__ import annotations
 
@@ -133,23 +136,24 @@ class MixPath:
               self.conf_mode)
 
 
-# What train.fast false sets: the plain step's settings, where each of these may be left at its default
-PLAIN_TRAIN = MappingProxyType({"compile": False, "cuda_graph": "none", "stack_student_calls": False,
-                                "conv_kernels": "cudnn", "precision": "fp32", "wgrad_stream": False,
-                                "channels_last": False})
+# What train.fast.enabled false sets: the plain step's settings, where each of these may be left at its default
+PLAIN_FAST = MappingProxyType({"compile": False, "cuda_graph": "none", "stack_student_calls": False,
+                               "conv_kernels": "cudnn", "precision": "fp32", "wgrad_stream": False,
+                               "channels_last": False})
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainSettings:
-    batch_size: int = 256             # labeled batch; the unlabeled batch has the same size
-    epochs: int = 300
-    steps_per_epoch: int | None = None  # None: n_unlabeled // batch_size (195 on CIFAR-10 without holdout)
-    eval_batch_size: int = 1000
-    device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
-    fast: bool = True                 # false: the plain step, the specification (eager, float32, one student
-                                      # call per batch, cuDNN, no CUDA graph or stream): each setting of
-                                      # PLAIN_TRAIN left at its default takes its plain value (another value is
-                                      # refused), and trainables.fast is not entered
+class FastSettings:
+    """``train.fast``: how fast the step runs, not what it computes (``trainables.fast``; docs/performance.md).
+
+    With ``enabled`` false the step is the plain one, the specification (eager, float32, one student call per
+    batch, cuDNN, no CUDA graph or stream) and ``trainables.fast`` is not entered: each setting of ``PLAIN_FAST``
+    holds its plain value (``from_plain`` gives it where it was left at its default; another is refused). Every
+    setting here but ``enabled``, ``precision`` and ``channels_last`` may change between a run and its resume
+    (``trainables.trainer.RESUME_FREE``): they pick other kernels, whose results agree to rounding. ``precision``
+    bf16 trains to other weights, not to rounding. In YAML ``train: {fast: false}`` is ``{fast: {enabled: false}}``.
+    """
+    enabled: bool = True              # false: the plain step (above)
     precision: str = "auto"           # "fp32" | "bf16" (autocast) | "auto" (bf16 on cuda, fp32 on cpu)
     channels_last: bool = True        # NHWC memory format on cuda
     compile: bool | None = None       # torch.compile the forward passes (and the on-device augmentation); None:
@@ -157,10 +161,6 @@ class TrainSettings:
     compile_mode: str = "reduce-overhead"  # torch.compile mode (its CUDA graphs only with cuda_graph: model)
     cuda_graph: str = "step"          # cuda: "step" = one graph per training step, "model" = compile's own
                                       # graphs around each model pass, "none"
-    bn_batch: int | None = None       # ghost batch norm: the student's batch norms normalise each of its batches in
-                                      # groups of this many images, each group with its own statistics, as the
-                                      # reference's per-device statistics under pmap (8 devices: 32); None: the
-                                      # whole batch. The teacher and evaluation use running statistics either way
     stack_student_calls: bool = True  # one student call over the labeled, perturbed and mixed batches,
                                       # each with its own batch-norm statistics (same result, faster)
     gpu_turns: bool = True            # packed with other trials on one GPU: each epoch's steps run in turns,
@@ -186,11 +186,61 @@ class TrainSettings:
                                       # in trainables.fast.compile_options.REALIZE_READS_BY_MODEL, else the trainer's 8
     tune_kernels: bool | None = None  # cuda, compiled: Inductor's coordinate-descent tuning of the models'
                                       # kernels (block sizes measured once per machine, then cached); None: on
-                                      # unless deterministic, and off in a search's trials
+                                      # unless train.deterministic, and off in a search's trials
                                       # (trainables.fast.compile_options.tune_kernels_wanted)
     compile_masks_and_losses: bool = True  # compiled: the masks and mixing after their random draws with
                                       # the stacking of the student's batches, and the losses, compiled too
                                       # (trainables.step.student_inputs, loss_terms)
+
+    def __post_init__(self) -> None:
+        check(self.precision in ("auto", "fp32", "bf16"), "train.fast.precision", "be 'auto', 'fp32' or 'bf16'",
+              self.precision)
+        check(self.compile_mode in COMPILE_MODES, "train.fast.compile_mode", f"be one of {COMPILE_MODES}",
+              self.compile_mode)
+        check(self.cuda_graph in ("step", "model", "none"), "train.fast.cuda_graph", "be 'step', 'model' or 'none'",
+              self.cuda_graph)
+        check(self.conv_kernels in ("cudnn", "triton"), "train.fast.conv_kernels", "be 'cudnn' or 'triton'",
+              self.conv_kernels)
+        check(self.realize_reads_threshold is None or self.realize_reads_threshold >= 1,
+              "train.fast.realize_reads_threshold", "be >= 1 or null", self.realize_reads_threshold)
+        for name, plain in PLAIN_FAST.items():   # (from_plain gives them; a constructor call must too)
+            check(self.enabled or getattr(self, name) == plain, f"train.fast.{name}",
+                  f"be {json.dumps(plain)} when train.fast.enabled is false (the plain step)", getattr(self, name))
+
+    def bf16(self, device_type: str) -> bool:
+        """Whether the step (and an evaluation of its models, as trained) runs in bfloat16 on ``device_type``."""
+        return self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+
+    @classmethod
+    def from_plain(cls, value: Any) -> "FastSettings":
+        """``train.fast`` from plain data: a mapping of these fields, or true / false for ``{enabled: ...}``. With
+        ``enabled`` false each setting of ``PLAIN_FAST`` left out or at its default takes its plain value (a config
+        written out in full names every default); another value is refused, naming the key."""
+        d = {"enabled": value} if isinstance(value, bool) else value
+        if not isinstance(d, dict):
+            raise ConfigError(f"train.fast must be true, false or a mapping of its settings, got {value!r}")
+        if d.get("enabled", True) is False:
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            for name, plain in PLAIN_FAST.items():
+                given = d.get(name, defaults[name])
+                check(given in (defaults[name], plain), f"train.fast.{name}",
+                      f"be {json.dumps(plain)} or left out: train.fast.enabled is false (the plain step)", given)
+            d = {**d, **PLAIN_FAST}
+        return build_dataclass(cls, d, prefix="train.fast.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    batch_size: int = 256             # labeled batch; the unlabeled batch has the same size
+    epochs: int = 300
+    steps_per_epoch: int | None = None  # None: n_unlabeled // batch_size (195 on CIFAR-10 without holdout)
+    eval_batch_size: int = 1000
+    device: str = "auto"              # "auto" (cuda when present), "cpu", "cuda", "cuda:N"
+    fast: FastSettings = field(default_factory=FastSettings)   # the speed settings; false: the plain step
+    bn_batch: int | None = None       # ghost batch norm: the student's batch norms normalise each of its batches in
+                                      # groups of this many images, each group with its own statistics, as the
+                                      # reference's per-device statistics under pmap (8 devices: 32); None: the
+                                      # whole batch. The teacher and evaluation use running statistics either way
     deterministic: bool = False       # deterministic cuDNN kernels (bit-exact resume on GPU)
     threads: int | None = None        # CPU intra-op threads; None: torch default
 
@@ -205,24 +255,34 @@ class TrainSettings:
         check(self.eval_batch_size >= 1, "train.eval_batch_size", "be >= 1", self.eval_batch_size)
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
               "train.device", "be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
-        check(self.precision in ("auto", "fp32", "bf16"), "train.precision", "be 'auto', 'fp32' or 'bf16'",
-              self.precision)
-        check(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"be one of {COMPILE_MODES}",
-              self.compile_mode)
-        check(self.cuda_graph in ("step", "model", "none"), "train.cuda_graph", "be 'step', 'model' or 'none'",
-              self.cuda_graph)
-        check(self.conv_kernels in ("cudnn", "triton"), "train.conv_kernels", "be 'cudnn' or 'triton'",
-              self.conv_kernels)
         check(self.threads is None or self.threads >= 1, "train.threads", "be >= 1 or null", self.threads)
-        check(self.realize_reads_threshold is None or self.realize_reads_threshold >= 1,
-              "train.realize_reads_threshold", "be >= 1 or null", self.realize_reads_threshold)
-        if not self.fast:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name, plain in PLAIN_TRAIN.items():
-                value = getattr(self, name)
-                check(value in (defaults[name], plain), f"train.{name}",
-                      f"be {json.dumps(plain)} or left out: train.fast is false (the plain step)", value)
-                object.__setattr__(self, name, plain)
+
+
+# The layout before 2026-12-03: the speed settings sat directly under train, beside train.fast true or false.
+# Checkpoints, run folders, searches' stores and promoted YAMLs of that time hold it; upgrade_layout reads it.
+FLAT_FAST_KEYS = ("precision", "channels_last", "compile", "compile_mode", "cuda_graph", "stack_student_calls",
+                  "gpu_turns", "conv_kernels", "wgrad_stream", "combo_kernels", "dependent_launch",
+                  "realize_reads_threshold", "tune_kernels", "compile_masks_and_losses")
+
+
+def upgrade_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """A config's plain data in today's layout: the speed settings of the layout before 2026-12-03
+    (``train.compile``, ``FLAT_FAST_KEYS``) moved into ``train.fast`` (``train.fast: false`` with them becomes
+    ``train.fast.enabled: false``). Returned as it is when it has none; a key given in both layouts is refused."""
+    train = d.get("train")
+    moved = [k for k in FLAT_FAST_KEYS if isinstance(train, dict) and k in train]
+    if not moved:
+        return d
+    fast = train.get("fast", {})
+    fast = {"enabled": fast} if isinstance(fast, bool) else fast
+    if not isinstance(fast, dict):
+        return d   # from_plain names what is wrong with it
+    both = [k for k in moved if k in fast]
+    if both:
+        raise ConfigError(f"train.{both[0]} and train.fast.{both[0]} are both given: train.{both[0]} is the layout "
+                          f"before 2026-12-03, give train.fast.{both[0]} alone")
+    rest = {k: v for k, v in train.items() if k not in moved}
+    return {**d, "train": {**rest, "fast": {**fast, **{k: train[k] for k in moved}}}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,7 +311,10 @@ class TrainConfig:
         """Build and validate a config; raises ConfigError naming the bad field."""
         if not isinstance(d, dict):
             raise ConfigError(f"a config must be a mapping, got {type(d).__name__}")
+        d = upgrade_layout(d)   # a config of the layout before 2026-12-03, as a checkpoint or a search's store has it
         d = dict(d)
+        if isinstance(d.get("train"), dict) and "fast" in d["train"]:
+            d["train"] = {**d["train"], "fast": FastSettings.from_plain(d["train"]["fast"])}
         paths = {}
         for key, path_cls in (("perturb", PerturbPath), ("mix", MixPath)):
             if d.get(key) is not None:

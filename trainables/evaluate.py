@@ -27,7 +27,7 @@ from trainables.data import (NORMALISATION, DeviceData, LoaderData, RawDataset, 
                              prepare_data, scored_images)
 from trainables.data.image_files import rescale_wide, unreadable
 from trainables.data.image_decode import UNREADABLE, decode_images
-from trainables.fast.switch import speed_up_model
+from trainables.fast.switch import fast_path
 from trainables.models import create_model
 from trainables.step import evaluate
 from trainables.trainer import CHECKPOINT
@@ -239,14 +239,15 @@ def evaluate_checkpoint(checkpoint: str, data: str, batch_size: int | None = Non
     own = trained_on(cfg, data, images)
 
     names = record["class_names"]
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and dev.type == "cuda")   # as trained
+    bf16 = cfg.train.fast.bf16(dev.type)   # as trained
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
-    fmt = torch.channels_last if cfg.train.channels_last and dev.type == "cuda" else torch.contiguous_format
+    fmt = torch.channels_last if cfg.train.fast.channels_last and dev.type == "cuda" else torch.contiguous_format
+    fast = fast_path(cfg)
     scores: dict[str, dict[str, float]] = {}
     for name in ("teacher", "student"):
         model = create_model(cfg.model, len(names))
-        if cfg.train.fast:
-            speed_up_model(model)   # the fast blocks, as the run evaluated (the shake-shake model's folded eval mode)
+        if fast is not None:
+            fast.prepare_model(model)   # the fast blocks, as the run evaluated (shake-shake: folded eval mode)
         try:
             model.load_state_dict(ckpt[name])
         except RuntimeError as exc:

@@ -102,7 +102,13 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         except (yaml.YAMLError, ValueError) as exc:
             raise ConfigError(f"--set {item!r}: the value does not parse as YAML or LO:HI: "
                               f"{yaml_problem(exc)}") from None
-        set_dotted(d, key.strip(), parsed)
+        key = key.strip()
+        if key == "train.fast" and isinstance(parsed, bool):
+            key = "train.fast.enabled"   # the shorthand, beside other train.fast settings given before or after it
+        train = d.get("train")
+        if key.startswith("train.fast.") and isinstance(train, dict) and isinstance(train.get("fast"), bool):
+            train["fast"] = {"enabled": train["fast"]}   # a file's `fast: false`, then --set train.fast.X
+        set_dotted(d, key, parsed)
     return d
 
 

@@ -11,7 +11,7 @@ kernels and CUDA streams into it, passes its numbers as device tensors, and may 
 graph; it changes no result. This module imports nothing of ``trainables.fast``.
 
 The reference calls the student once per batch, so batch-norm statistics are per batch; with
-``train.stack_student_calls`` the batches are stacked into one call whose batch norm keeps per-batch statistics
+``train.fast.stack_student_calls`` the batches are stacked into one call whose batch norm keeps per-batch statistics
 (``trainables.models.segmented_bn``), the same result with fewer, larger kernels. The teacher runs in eval mode
 under ``no_grad``. Metrics stay on the device as running sums; nothing here synchronises with the host.
 """
@@ -56,7 +56,7 @@ def student_inputs(x_sup: torch.Tensor | None, x_unsup1: torch.Tensor, x0: torch
                    stacked: bool, channels_last: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The student's batches in the reference's call order (labeled, erased, mixed with the unlabeled batch
     rolled by one), stacked into one or not, in the model's memory format; and the mix blend. Everything
-    after the regularizers' random draws: compiled on a GPU (train.compile_masks_and_losses), one compilation
+    after the regularizers' random draws: compiled on a GPU (train.fast.compile_masks_and_losses), one compilation
     for every trial's numbers (the fast path puts them in the draws as tensors), where eagerly it is some 40 small
     kernels on the way to the student's first convolution."""
     xs = [x_sup] if x_sup is not None else []
@@ -226,13 +226,13 @@ class StepRunner:
         self.device, self.bf16, self.grad_sync = device, bf16, grad_sync
         set_ghost_batch(student, cfg.train.bn_batch)   # training-mode statistics only: the teacher is always in eval
         self.pairs = EmaPairs(teacher, student)
-        self.memory_format = torch.channels_last if (cfg.train.channels_last and device.type == "cuda") \
+        self.memory_format = torch.channels_last if (cfg.train.fast.channels_last and device.type == "cuda") \
             else torch.contiguous_format
-        self.cuda_graph = cfg.train.cuda_graph if device.type == "cuda" else "none"
+        self.cuda_graph = cfg.train.fast.cuda_graph if device.type == "cuda" else "none"
         # autocast's weight-cast cache must not outlive a CUDA graph capture: off when the step is captured
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16,
                                        cache_enabled=self.cuda_graph != "step")
-        self.stacked_bns = segmentable(student) if cfg.train.stack_student_calls else None
+        self.stacked_bns = segmentable(student) if cfg.train.fast.stack_student_calls else None
         # (a partial, not a bound method: the kernels hold no reference back to the runner)
         self.kernels = Kernels(student=student,
                                teacher=functools.partial(teacher_logits, teacher, self.autocast, self.memory_format))

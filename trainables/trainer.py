@@ -27,7 +27,7 @@ from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
-from trainables.fast.switch import FastStep, gpu_identity, gpu_turn, prepare_student
+from trainables.fast.switch import fast_path, gpu_identity, gpu_turn
 from trainables.file_locks import job_lock
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
@@ -40,10 +40,10 @@ CHECKPOINT = "checkpoint.pt"
 # Fields that may change between a run and its resume: where and how fast it runs, not what it computes
 # (compile modes, CUDA graphs and stacked student calls may pick other kernels: results agree to rounding,
 # not bit for bit).
-RESUME_FREE = ("train.device", "train.compile", "train.compile_mode", "train.cuda_graph", "train.threads",
-               "train.stack_student_calls", "train.gpu_turns", "train.conv_kernels", "train.wgrad_stream",
-               "train.combo_kernels", "train.dependent_launch", "train.tune_kernels", "train.compile_masks_and_losses",
-               "train.eval_batch_size",
+RESUME_FREE = ("train.device", "train.threads", "train.eval_batch_size",
+               *(f"train.fast.{k}" for k in ("compile", "compile_mode", "cuda_graph", "stack_student_calls",
+                                             "gpu_turns", "conv_kernels", "wgrad_stream", "combo_kernels",
+                                             "dependent_launch", "tune_kernels", "compile_masks_and_losses")),
                "data.workers", "data.root", "data.download")
 
 Report = Callable[[int, dict[str, float], Path], None]
@@ -224,17 +224,19 @@ def choose_convolutions(cfg: TrainConfig, device: torch.device) -> None:
 def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
                  grad_sync: Callable[[nn.Module], None] | None = None) -> StepRunner:
     """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them: the plain step, made
-    fast by ``FastStep`` unless ``train.fast`` is false (``grad_sync``: a data-parallel worker's, ``StepRunner``'s)."""
+    fast by ``FastStep`` unless ``train.fast.enabled`` is false (``grad_sync``: a data-parallel worker's,
+    ``StepRunner``'s)."""
     torch.manual_seed(cfg.seed)
+    fast = fast_path(cfg)   # None: the plain step
     student = create_model(cfg.model, num_classes).to(device)
-    if cfg.train.fast:
-        prepare_student(student, cfg, device)   # our convolution kernels, the weight-gradient stream
-    if cfg.train.channels_last and device.type == "cuda":
+    if fast is not None:
+        fast.prepare_student(student, cfg, device)   # fast blocks, our convolution kernels, weight-gradient stream
+    if cfg.train.fast.channels_last and device.type == "cuda":
         student = student.to(memory_format=torch.channels_last)
     teacher = make_teacher(student)
     optimizer = make_optimizer(student, cfg.optim, cfg.train.batch_size)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    return StepRunner(cfg, student, teacher, optimizer, device, bf16, grad_sync, FastStep if cfg.train.fast else None)
+    return StepRunner(cfg, student, teacher, optimizer, device, cfg.train.fast.bf16(device.type), grad_sync,
+                      fast.step if fast is not None else None)
 
 
 def check_names(cfg: TrainConfig) -> None:
@@ -247,7 +249,7 @@ def fit(cfg: TrainConfig, out_dir: str | Path, report: Report | None = None, dat
         log: Callable[[str], None] = _print, restart: bool = False, shared_gpu: bool = False,
         keep_previous: bool = True, lock: bool = False) -> dict[str, Any]:
     """Train ``cfg`` and return the final metrics; resumes from ``out_dir/checkpoint.pt`` if present.
-    ``shared_gpu``: other trials are packed on this GPU; with ``train.gpu_turns`` the epochs take turns.
+    ``shared_gpu``: other trials are packed on this GPU; with ``train.fast.gpu_turns`` the epochs take turns.
     ``lock`` (``cowtune train``): hold the folder's lock (``RUN_LOCK``) while training, from before the checkpoint
     is read when the folder exists, else from when it is made; searches and finals lock their own folders.
 
@@ -284,7 +286,7 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
             raise ConfigError(f"{ckpt_path} was made with a different config (differs in: {', '.join(diff)}); "
                               "use another output folder, or pass --restart to start over")
     device = setup_device(cfg)
-    data = data or prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
+    data = data or prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.fast.compile)
     log(f"data: {data.describe()}")
     out.mkdir(parents=True, exist_ok=True)   # after the data: a run refused for its data leaves no folder
     if not existed:
@@ -306,14 +308,14 @@ def _fit(cfg: TrainConfig, out: Path, report: Report | None, data: TrainData | N
     checkpoints.write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
     log(f"model {cfg.model} ({sum(p.numel() for p in student.parameters()):,} parameters), method {cfg.method}, "
         f"device {device}{' bf16' if bf16 else ''}{' compiled' if runner.compiled else ''}"
-        f"{'' if fast else ', the plain step (train.fast false)'}{TUNED_NOTE if fast and fast.tuned else ''}"
+        f"{'' if fast else ', the plain step (train.fast.enabled false)'}{TUNED_NOTE if fast and fast.tuned else ''}"
         f"{' + CUDA graphs' if fast and fast.graphs else ''}"
         f"{' + one CUDA graph per step' if fast and fast.step_graph else ''}, "
         f"{cfg.train.epochs} epochs x {steps_per_epoch} steps")
 
     split = cfg.data.eval_split
     fmt = runner.memory_format
-    turn = gpu_identity(device) if shared_gpu and cfg.train.gpu_turns and device.type == "cuda" else None
+    turn = gpu_identity(device) if shared_gpu and cfg.train.fast.gpu_turns and device.type == "cuda" else None
     epoch_times: list[float] = []
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.monotonic()

@@ -14,8 +14,8 @@ its backward (``cowtune::conv3x3_backward``) returns both gradients (the input's
 for a stem on the images). The kernels are deterministic
 (the weight gradient adds per-program partial sums, no atomics).
 
-The trainer switches a model when ``train.conv_kernels`` is "triton" (the default), each step is one
-CUDA graph (``train.cuda_graph: step``, the default on CUDA) and it trains on a GPU of the compute
+The trainer switches a model when ``train.fast.conv_kernels`` is "triton" (the default), each step is one
+CUDA graph (``train.fast.cuda_graph: step``, the default on CUDA) and it trains on a GPU of the compute
 capability the table was measured on (9.x: H100, H200): in the captured WRN-28-2 CowMix step on an
 H100, 137.2 -> 155.7 steps/s (docs/journal/2026-11-27.md).
 """
@@ -218,7 +218,7 @@ def computes_on_rows(conv: nn.Module, x: Tensor) -> bool:
 
 
 def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
-    """Switch ``model`` as ``train.conv_kernels`` asks: to the Triton kernels when it says "triton", the model
+    """Switch ``model`` as ``train.fast.conv_kernels`` asks: to the Triton kernels when it says "triton", the model
     trains on a CUDA GPU of the compute capability their table was measured on (elsewhere the operator would
     only run cuDNN's or PyTorch's convolution) and each step is one CUDA graph (``cuda_graph`` "step": launched
     one by one, every Triton kernel pays its Python launcher; our earlier Triton convolutions ran a step without

@@ -1,10 +1,11 @@
 """A captured step's optimiser update and teacher EMA in two parts, around the join of the weight-gradient stream.
 
-With ``train.wgrad_stream`` the convolutions' weight gradients come from a side stream (``trainables.fast.wgrad_stream``),
-which the main stream joins when the backward pass ends; every other gradient (batch norm's scales and shifts,
-the classifier's) is complete on the main stream before that. So the update of those parameters and the EMA of
-the teacher's other tensors (batch-norm statistics included) run before the join, beside the side stream's last
-weight gradients, and only the convolution weights' update is left after it, at the end of the step.
+With ``train.fast.wgrad_stream`` the convolutions' weight gradients come from a side stream
+(``trainables.fast.wgrad_stream``), which the main stream joins when the backward pass ends; every other gradient
+(batch norm's scales and shifts, the classifier's) is complete on the main stream before that. So the update of those
+parameters and the EMA of the teacher's other tensors (batch-norm statistics included) run before the join, beside
+the side stream's last weight gradients, and only the convolution weights' update is left after it, at the end of
+the step.
 
 The kernels are PyTorch's SGD (through its functional form, as ``SGD.step`` calls it, with the optimiser's
 own settings and momentum buffers) and our EMA, each applied to a part of the tensors, so the parameters

@@ -2,9 +2,11 @@
 
 The core (``trainables.step``, ``trainables.trainer``) imports from ``trainables.fast`` only through this module:
 
+* ``fast_path(cfg)``: the one place that reads ``train.fast.enabled``: ``FAST_PATH`` when it is on, None for the
+  plain step. The trainer and ``trainables.evaluate`` enter the rest through what it gives:
 * ``prepare_student(student, cfg, device)``: the student's blocks switched to their fast variants (``model_swaps``),
-  and its convolutions to our Triton kernels and to the weight-gradient stream, where ``train.conv_kernels`` and
-  ``train.wgrad_stream`` ask for them;
+  and its convolutions to our Triton kernels and to the weight-gradient stream, where ``train.fast.conv_kernels`` and
+  ``train.fast.wgrad_stream`` ask for them;
 * ``speed_up_model``: the blocks' fast variants alone, for a model that only evaluates (``trainables.evaluate``);
 * ``FastStep(train_step, runner)``: the plain step, ``trainables.step.train_step``, made fast as ``train`` asks:
   that same function called with other kernels (compiled models, masks, losses and EMA, the teacher on its own CUDA
@@ -15,16 +17,17 @@ The core (``trainables.step``, ``trainables.trainer``) imports from ``trainables
 * ``backward_on_side``, ``gpu_identity``, ``gpu_turn``: the weight-gradient stream around a backward pass, and the
   turns that trials packed on one GPU take.
 
-With ``train.fast`` false the config leaves all of it off (``trainables.config.PLAIN_TRAIN``) and the trainer does
-not hand the runner a ``FastStep``: the step is the plain specification. None of it changes what a step computes;
-the tests compare the two. ``train_step`` comes in as an argument: ``fast`` does not import the core.
+With ``train.fast.enabled`` false the config leaves all of it off (``trainables.config.PLAIN_FAST``) and
+``fast_path`` gives None: the trainer does not hand the runner a ``FastStep``, the step is the plain specification.
+None of it changes what a step computes; the tests compare the two. ``train_step`` comes in as an argument:
+``fast`` does not import the core.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -49,8 +52,8 @@ if TYPE_CHECKING:
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["FastStep", "Switches", "backward_on_side", "compile_key", "gpu_identity", "gpu_turn", "prepare_student",
-           "speed_up_model"]
+__all__ = ["FAST_PATH", "FastPath", "FastStep", "Switches", "backward_on_side", "compile_key", "fast_path",
+           "gpu_identity", "gpu_turn", "prepare_student", "speed_up_model"]
 
 
 class Switches:
@@ -64,24 +67,25 @@ class Switches:
 
 
 def prepare_student(student: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
-    """Switch the student's blocks to their fast variants, and its convolutions as ``train.conv_kernels`` and
-    ``train.wgrad_stream`` ask (before it is copied into the teacher and given to the optimiser: the switched
+    """Switch the student's blocks to their fast variants, and its convolutions as ``train.fast.conv_kernels`` and
+    ``train.fast.wgrad_stream`` ask (before it is copied into the teacher and given to the optimiser: the switched
     modules keep their parameters)."""
+    fast = cfg.train.fast
     speed_up_model(student)
-    apply_conv_kernels(student, cfg.train.conv_kernels, cfg.train.cuda_graph, device)
-    apply_wgrad_stream(student, cfg.train.wgrad_stream, cfg.train.cuda_graph, device)   # the other convolutions
+    apply_conv_kernels(student, fast.conv_kernels, fast.cuda_graph, device)
+    apply_wgrad_stream(student, fast.wgrad_stream, fast.cuda_graph, device)   # the other convolutions
 
 
 class FastStep:
-    """``train_step`` made fast for the runner ``r`` as ``r.cfg.train`` asks on ``r.device``; called as
+    """``train_step`` made fast for the runner ``r`` as ``r.cfg.train.fast`` asks on ``r.device``; called as
     ``fast(r, batch, gen, lr, alpha)`` in place of the plain step. It keeps no reference to the runner (nor do its
     kernels), so a dropped runner frees its captured graph's memory at once."""
 
     def __init__(self, train_step: Callable[..., None], r: StepRunner):
-        cfg, device = r.cfg, r.device
+        cfg, fast, device = r.cfg, r.cfg.train.fast, r.device
         self.train_step = train_step
-        compiled = cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
-        mode = cfg.train.compile_mode if device.type == "cuda" else "default"
+        compiled = fast.compile if fast.compile is not None else device.type == "cuda"
+        mode = fast.compile_mode if device.type == "cuda" else "default"
         if r.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
             mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
         self.compiled = compiled
@@ -93,7 +97,7 @@ class FastStep:
         # not reuse a buffer, or write into one in place, that the side stream may still be reading (options of
         # its own compilation: Dynamo compiles afresh for them, where a global setting would let a model built
         # later in the process reuse code compiled before it, under the other setting)
-        self.wgrad_stream = side_stream_wanted(cfg.train.wgrad_stream, r.cuda_graph, compiled,
+        self.wgrad_stream = side_stream_wanted(fast.wgrad_stream, r.cuda_graph, compiled,
                                                r.stacked_bns is not None, r.student)
         if compiled:   # one compiled entry per (mode, batch size): a reused Ray actor may meet several sizes,
             # and past the limit Dynamo would quietly run the model eagerly
@@ -113,7 +117,7 @@ class FastStep:
             teacher = torch.compile(r.teacher, dynamic=False, options=self.inductor_options["teacher"])
         self.student_forward, self.teacher_forward = student, teacher
         plain = r.kernels
-        glue = compiled and cfg.train.compile_masks_and_losses
+        glue = compiled and fast.compile_masks_and_losses
         student_inputs = torch.compile(plain.student_inputs, dynamic=False) if glue else plain.student_inputs
         loss_terms = torch.compile(plain.loss_terms, dynamic=False) if glue else plain.loss_terms
         # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
@@ -179,6 +183,22 @@ class FastStep:
             self.step_graph.release()
 
 
+class FastPath(NamedTuple):
+    """What the core calls when ``train.fast`` is on (``fast_path``)."""
+    prepare_student: Callable[[nn.Module, TrainConfig, torch.device], None]   # a student before its teacher is made
+    prepare_model: Callable[[nn.Module], nn.Module]   # a model that only evaluates: its fast blocks
+    step: type[FastStep]   # the runner's ``fast``: the plain step made fast
+
+
+FAST_PATH = FastPath(prepare_student, speed_up_model, FastStep)
+
+
+def fast_path(cfg: TrainConfig) -> FastPath | None:
+    """``FAST_PATH`` when ``cfg.train.fast.enabled``, else None (the plain step: nothing of ``trainables.fast``
+    runs). The one place that reads it; the speed settings' values are read where they are used."""
+    return FAST_PATH if cfg.train.fast.enabled else None
+
+
 def _draw_on_device(draw: Callable[..., dict[str, Any]], reg: Any, x: Tensor, gen: torch.Generator) -> dict[str, Any]:
     return draws_on_device(draw(reg, x, gen), x.device)
 
@@ -241,13 +261,13 @@ def compile_locked(r: StepRunner) -> bool:
 
 def compile_key(r: StepRunner, batch: Batch) -> str:
     """What the runner's compiled graphs depend on, as the first-compile lock names it."""
-    cfg, fast = r.cfg, r.fast
+    cfg, settings, fast = r.cfg, r.cfg.train.fast, r.fast
     return step_key(torch.__version__, operators_version(),
                     torch.cuda.get_device_name(r.device) if compile_locked(r) else "",
                     cfg.method, [(n, tuple(p.shape)) for n, p in r.student.named_parameters()],
                     [(tuple(x.shape), x.dtype) for x in (batch.x_sup, batch.x_unsup0, batch.x_unsup1)],
-                    cfg.train.compile_mode, r.cuda_graph, cfg.train.stack_student_calls, cfg.train.bn_batch,
-                    r.memory_format, r.bf16, cfg.train.conv_kernels, fast.wgrad_stream,
-                    cfg.train.compile_masks_and_losses, fast.ema_compiled, fast.update_parts is not None,
+                    settings.compile_mode, r.cuda_graph, settings.stack_student_calls, cfg.train.bn_batch,
+                    r.memory_format, r.bf16, settings.conv_kernels, fast.wgrad_stream,
+                    settings.compile_masks_and_losses, fast.ema_compiled, fast.update_parts is not None,
                     sorted(fast.inductor_options.get("student", {}).items()), model_switches(r.student),
                     [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])

@@ -1,4 +1,4 @@
-"""Weight gradients on their own CUDA stream (``train.wgrad_stream``).
+"""Weight gradients on their own CUDA stream (``train.fast.wgrad_stream``).
 
 In a convolution's backward pass, the input gradient is what the next layer back waits for; the weight
 gradient is read by nobody until the optimiser. Launched on a side stream, forked from the main one just
@@ -228,7 +228,7 @@ def use_stream_convs(model: nn.Module) -> int:
 
 
 def apply_wgrad_stream(model: nn.Module, on: bool, cuda_graph: str, device: torch.device) -> int:
-    """Switch ``model``'s plain convolutions to ``StreamConv2d`` as ``train.wgrad_stream`` asks: when it is on,
+    """Switch ``model``'s plain convolutions to ``StreamConv2d`` as ``train.fast.wgrad_stream`` asks: when it is on,
     the model trains on CUDA and each step is one CUDA graph (``cuda_graph`` "step": the stream is forked and
     joined inside it; torch.compile's own graphs capture the backward pass alone, which could not join it);
     returns how many layers."""
@@ -238,7 +238,7 @@ def apply_wgrad_stream(model: nn.Module, on: bool, cuda_graph: str, device: torc
 
 
 def side_stream_wanted(on: bool, cuda_graph: str, compiled: bool, one_student_call: bool, model: nn.Module) -> bool:
-    """Whether a step runs the weight gradients on the side stream: ``train.wgrad_stream`` asks for it, each step
+    """Whether a step runs the weight gradients on the side stream: ``train.fast.wgrad_stream`` asks for it, each step
     is one CUDA graph, the student is compiled (its backward one graph whose buffers the trainer keeps from
     reuse, so autograd adds no gradients into them outside it) and called once a step (with several calls,
     autograd would sum each weight's gradients on the main stream before the join), and it has convolutions
