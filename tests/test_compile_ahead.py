@@ -72,7 +72,7 @@ def test_start_only_where_a_gpu_would_use_it():
     assert compile_ahead.start(cpu, log=said.append) is None
     assert said == ["compile ahead: skipped (trials run on cpu)"]
     off = TrainConfig.from_dict({**CONFIG, "train": {**CONFIG["train"], "device": "auto", "compile": False}})
-    assert compile_ahead.reason_not_to(off) == "train.compile is off"
+    assert compile_ahead.reason_not_to(off) == "train.fast.compile is off"
     auto = TrainConfig.from_dict({**CONFIG, "train": {**CONFIG["train"], "device": "auto", "compile": None}})
     assert compile_ahead.reason_not_to(auto) == (None if torch.cuda.is_available() else "no GPU on this machine")
 

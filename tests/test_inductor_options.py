@@ -82,7 +82,7 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
         with pytest.raises(ConfigError, match="eval_split"):
             train_trial({**trial, "_cowtune": {"mode": "search"}})
         assert not tune_kernels_wanted(with_train()) and tune_kernels_wanted(with_train(tune_kernels=True))
-        assert trial["train"].get("tune_kernels") is None
+        assert trial["train"]["fast"]["tune_kernels"] is None
     finally:
         tune_kernels_by_default(True)
     with pytest.raises(ConfigError, match="tune_kernels"):

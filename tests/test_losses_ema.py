@@ -113,7 +113,7 @@ def test_cuda_graph_setting_is_checked_and_cpu_steps_are_never_captured():
     from trainables.step import StepRunner
     from trainables.validation import ConfigError
 
-    with pytest.raises(ConfigError, match="train.cuda_graph"):
+    with pytest.raises(ConfigError, match="train.fast.cuda_graph"):
         TrainConfig.from_dict({"train": {"cuda_graph": "whole"}})
     cfg = TrainConfig.from_dict({"model": "cnn_tiny", "mix": {"name": "cowmix"}, "train": {"cuda_graph": "step"}})
     student = Net()

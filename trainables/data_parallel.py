@@ -63,7 +63,7 @@ def build_replica(cfg: TrainConfig, rank: int, world: int, device: torch.device,
     if device.type == "cuda":
         torch.cuda.set_device(device)   # NCCL's collectives and the CUDA graphs on this worker's GPU
     choose_convolutions(cfg, device)
-    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.fast.compile)
     runner = build_runner(cfg, data.num_classes, device, grad_sync=GradientMean(world))
     base_lr, start = runner.optimizer.param_groups[0]["lr"], 0   # before a checkpoint's last LR replaces it
     if state is not None:

@@ -41,8 +41,8 @@ def reason_not_to(cfg: TrainConfig) -> str | None:
 
     if cfg.train.device != "auto" and not cfg.train.device.startswith("cuda"):
         return f"trials run on {cfg.train.device}"
-    if cfg.train.compile is False:
-        return "train.compile is off"
+    if cfg.train.fast.compile is False:
+        return "train.fast.compile is off"
     if not torch.cuda.is_available():
         return "no GPU on this machine"
     return None
@@ -94,7 +94,7 @@ def compile_step(cfg: TrainConfig) -> dict[str, float] | None:
     from trainables.trainer import build_runner, setup_device, train_epoch
 
     device = setup_device(cfg)
-    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
+    data = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.fast.compile)
     runner = build_runner(cfg, data.num_classes, device)
     augment_twice = cfg.perturb is not None and cfg.perturb.regularizer.augment_twice
     # a chunk of steps, as a trial's epoch has them: the augmentation compiles for the shape the trials augment at

@@ -59,10 +59,10 @@ class HoldoutOnly:
 
 def cached_data(cfg: TrainConfig, device: torch.device) -> TrainData:
     global DATA_LOADS
-    key = json.dumps([cfg.to_dict()["data"], cfg.labeled_seed, str(device), cfg.train.compile], sort_keys=True)
+    key = json.dumps([cfg.to_dict()["data"], cfg.labeled_seed, str(device), cfg.train.fast.compile], sort_keys=True)
     if key not in _DATA:
         _DATA.clear()     # one dataset per worker at a time keeps memory bounded
-        _DATA[key] = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.compile)
+        _DATA[key] = prepare_data(cfg.data, cfg.labeled_seed, device, cfg.train.fast.compile)
         DATA_LOADS += 1
     return _DATA[key]
 
