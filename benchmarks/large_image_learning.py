@@ -33,7 +33,6 @@ estimated.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import io
 import json
@@ -41,6 +40,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 import zipfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -264,7 +264,8 @@ def plot(record: dict, png: Path) -> None:
     speed.set_ylim(bottom=0)
     for a in (ax, speed):
         a.grid(True, alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:   # a run that failed before its first epoch has no curve
+            a.legend(fontsize=8)
     m = record["machine"]
     fig.suptitle(f"{m['gpu']}, torch {m['torch']}, {m['commit']}, {m['date']}", fontsize=9)
     fig.tight_layout()
@@ -363,16 +364,24 @@ def main(argv: list[str] | None = None) -> int:
         share = COST[name] / sum(COST[n] for n in names[k:])   # of what is left, by the runs still to come
         log(f"--- {name}: cowtune train {PRESET} " + " ".join(f"--set {o}" for o in sets[name]))
         record["runs"][name] = {}
-        run_one(name, sets[name], work, time.monotonic() + share * left, record["runs"][name], save, log)
+        try:
+            run_one(name, sets[name], work, time.monotonic() + share * left, record["runs"][name], save, log)
+        except Exception as exc:   # noqa: BLE001 - kept in the JSON; the other run still gets its turn on the lease
+            record["runs"][name]["error"] = "".join(traceback.format_exception(exc)[-12:])
+            log(f"{name} failed: {type(exc).__name__}: {exc}")
     save()
-    log(f"done in {record['wall_s']} s: {json.dumps(record['summary'])}")
+    failed = [n for n, r in record["runs"].items() if "error" in r]
+    log(f"done in {record['wall_s']} s: {json.dumps(record['summary'])}"
+        + (f"; failed: {', '.join(failed)} (the JSON has the traceback)" if failed else ""))
     try:
         plot(record, out / PNG_NAME)
         log(f"wrote {out / PNG_NAME}")
     except ImportError:
         log(f"no matplotlib here: draw it elsewhere, python3 {Path(__file__).name} plot {out / JSON_NAME} --out X.png")
+    except Exception as exc:   # noqa: BLE001 - the JSON is written; the plot can be drawn again from it
+        log(f"the plot failed ({type(exc).__name__}: {exc}): python3 {Path(__file__).name} plot {out / JSON_NAME}")
     logfile.close()
-    return 0
+    return 1 if failed else 0
 
 
 def _cuda() -> bool:

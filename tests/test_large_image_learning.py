@@ -139,6 +139,17 @@ def test_the_budget_stops_a_run_after_an_epoch_and_the_tree_is_reused(smoke, tmp
     assert "supervised: stopped after epoch 1 of 2: the next would end past the budget" in lines[-1]
 
 
+@pytest.mark.slow
+def test_a_run_that_fails_is_recorded_and_the_next_one_still_runs(smoke, tmp_path, capsys):
+    out, data, _ = smoke
+    rc = lil.main(["--smoke", "--out", str(tmp_path), "--data", str(data), "--tree", str(out / "smoke-tree"),
+                   "--set", "model=resnet_51"])
+    record = json.loads((tmp_path / lil.JSON_NAME).read_text())
+    assert rc == 1 and list(record["runs"]) == ["supervised", "cowmix"]
+    assert all("resnet_51" in r["error"] and "ConfigError" in r["error"] for r in record["runs"].values())
+    assert "failed: supervised, cowmix (the JSON has the traceback)" in capsys.readouterr().out
+
+
 def test_the_runs_are_the_preset_with_the_stated_changes(tmp_path):
     from trainables.presets import load_config
 
