@@ -116,8 +116,10 @@ def make_tree(zip_path: Path, tree: Path, side: int, quality: int, per_class: in
         old = json.loads(meta.read_text())
         if {k: old.get(k) for k in record} == record:
             return {**old, "reused": True}
+    if tree.exists() and any(tree.iterdir()) and not meta.exists():
+        raise SystemExit(f"--tree {tree} holds files that this script did not write (no tree.json): give another folder")
     t0 = time.monotonic()
-    shutil.rmtree(tree, ignore_errors=True)
+    shutil.rmtree(tree, ignore_errors=True)   # a tree of other settings, or one cut short
     files, classes = source_files(zip_path, per_class, holdout)
     for split in ("train", "val"):
         for c in classes:
@@ -190,7 +192,6 @@ def run_one(name: str, overrides: list[str], work: Path, deadline: float, record
     t0 = time.monotonic()
     cfg = load_config(PRESET, overrides)
     out = work / name
-    shutil.rmtree(out, ignore_errors=True)
     device = setup_device(cfg)
     data = prepare_data(cfg.data, cfg.labeled_seed, device)   # as fit: its compile flag matters to small images only
     record.update({"method": cfg.method, "command": f"cowtune train {PRESET} --out {out} "
