@@ -1,6 +1,7 @@
 """Checkpoints of the shake-shake WRN written before its convolutions feeding a batch norm lost their bias
 (``trainables.legacy_checkpoints``): the optimiser's state maps onto the new layout, and a run stopped in the
-old layout resumes in the new one."""
+old layout resumes in the new one. Checkpoints whose config has the speed settings directly under ``train`` (the
+layout before 2026-12-03, ``trainables.config.upgrade_layout``) resume as well."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from trainables import checkpoints
 from trainables.config import OptimConfig, TrainConfig
 from trainables.data import prepare_data
 from trainables.legacy_checkpoints import upgrade_optimizer_state
@@ -97,3 +99,47 @@ def test_a_run_stopped_in_the_old_layout_resumes_in_the_new(tmp_path, old_layout
     # folded moves its batch norm's running mean by up to 2e-3
     for k, v in folded.state_dict().items():
         torch.testing.assert_close(b["student"][k], v, rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def flat_layout(config: dict) -> dict:
+    """``config`` (``TrainConfig.to_dict``) as the layout before 2026-12-03 wrote it: the speed settings directly
+    under ``train``, beside ``train.fast`` true or false."""
+    config = copy.deepcopy(config)
+    fast = config["train"].pop("fast")
+    config["train"] = {**config["train"], **{k: v for k, v in fast.items() if k != "enabled"}, "fast": fast["enabled"]}
+    return config
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_run_checkpointed_in_the_flat_layout_resumes(tmp_path, fast):
+    """A checkpoint whose config is in the layout before 2026-12-03 (train.compile beside train.fast) resumes: the
+    run ends with the weights of a straight run, bit for bit (CPU), its folder's config.json is written in today's
+    layout, and the checkpoint's config reads as the run's config (as ``cowtune evaluate`` reads it)."""
+    cfg = TrainConfig.from_dict({
+        "seed": 0, "model": "cnn_tiny", "mix": {"name": "cowmix"},
+        "data": {"dataset": "digits", "n_val": 100, "n_labeled": 30},
+        "optim": {"lr_per_256": 0.5, "schedule": "constant"},
+        "train": {"batch_size": 8, "epochs": 2, "steps_per_epoch": 1, "eval_batch_size": 100, "device": "cpu",
+                  "threads": 1, "fast": fast}})
+    data = prepare_data(cfg.data, 0, torch.device("cpu"))
+
+    def die(epoch, metrics, path):
+        raise KeyboardInterrupt
+
+    fit(cfg, tmp_path / "straight", data=data, log=lambda s: None)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, tmp_path / "b", data=data, report=die, log=lambda s: None)
+    path = tmp_path / "b" / "checkpoint.pt"
+    saved = torch.load(path, weights_only=True)
+    saved["config"] = flat_layout(saved["config"])
+    assert "compile" in saved["config"]["train"] and saved["config"]["train"]["fast"] is fast
+    checkpoints.save(saved, path)
+    assert TrainConfig.from_dict(torch.load(path, weights_only=True)["config"]) == cfg
+    lines = []
+    fit(cfg, tmp_path / "b", data=data, log=lines.append)
+    assert any(line.startswith(f"resumed from {path} at epoch 1") for line in lines), lines
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    b = torch.load(path, weights_only=True)
+    assert b["epoch"] == 2 and all(torch.equal(a[part][k], b[part][k]) for part in ("student", "teacher")
+                                   for k in a[part])
+    assert b["config"] == cfg.to_dict() and "compile" not in b["config"]["train"]

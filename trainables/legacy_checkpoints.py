@@ -6,6 +6,12 @@ bias into the batch norm's running mean. The optimiser's state does not: SGD kee
 parameter, numbered in parameter order, and the old numbering has the biases in it.
 ``upgrade_optimizer_state`` drops them and renumbers the rest, so a run checkpointed before the change resumes
 after it.
+
+A checkpoint's config may be older too: before 2026-12-03 the speed settings sat directly under ``train``
+(``train.compile``, beside ``train.fast`` true or false); today they are the section ``train.fast``.
+``trainables.config.upgrade_layout`` moves them, inside ``TrainConfig.from_dict``, so every stored config (a
+checkpoint's, a run folder's, a search's store, a promoted YAML) reads the same way; it lives there and not here
+because this module needs ``trainables.optim``, which needs the config.
 """
 from __future__ import annotations
 
