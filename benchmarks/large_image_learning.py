@@ -117,7 +117,8 @@ def make_tree(zip_path: Path, tree: Path, side: int, quality: int, per_class: in
         if {k: old.get(k) for k in record} == record:
             return {**old, "reused": True}
     if tree.exists() and any(tree.iterdir()) and not meta.exists():
-        raise SystemExit(f"--tree {tree} holds files that this script did not write (no tree.json): give another folder")
+        raise SystemExit(f"--tree {tree} holds files that this script did not write (no tree.json): "
+                         "give another folder")
     t0 = time.monotonic()
     shutil.rmtree(tree, ignore_errors=True)   # a tree of other settings, or one cut short
     files, classes = source_files(zip_path, per_class, holdout)
@@ -175,7 +176,8 @@ def curve(history: list[dict]) -> dict[str, list]:
     return {"epoch": [int(h["epoch"]) for h in history],
             **{f"{who}_top{k}": [pct(h, f"test/error{'' if k == 1 else '5'}_{who}") for h in history]
                for who in ("teacher", "student") for k in (1, 5)},
-            "lr": [h["train/lr"] for h in history], "images_per_s": [round(h["train/images_per_s"], 1) for h in history],
+            "lr": [h["train/lr"] for h in history],
+            "images_per_s": [round(h["train/images_per_s"], 1) for h in history],
             "train_s": [round(h["time/train_s"], 2) for h in history],
             "eval_s": [round(h["time/eval_s"], 2) for h in history]}
 
@@ -281,7 +283,8 @@ def plot(record: dict, png: Path) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help=f"writes {JSON_NAME}, {LOG_NAME} and {PNG_NAME} here")
-    p.add_argument("--smoke", action="store_true", help="CPU: 12 images a class at 48 px, cnn_tiny at 32, 2 epochs of 4 steps")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU: 12 images a class at 48 px, cnn_tiny at 32, 2 epochs of 4 steps")
     p.add_argument("--data", default=str(ROOT / ".devdata" / "train.zip"), help="the CIFAR-10 JPEG zip")
     p.add_argument("--tree", help="where the tree is made (reused); default /tmp/cowtune-cifar10-<side>")
     p.add_argument("--work", help="the runs' folders (checkpoints); default /tmp/cowtune-large-image")
