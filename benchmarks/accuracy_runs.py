@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 # The search's proxy for the paper's setting: CIFAR-10 JPEGs, 1,000 labels, the 5,000-image holdout.
 HOLDOUT = ["data.dataset=imagefolder", "data.n_val=5000", "data.eval_split=val", "data.n_labeled=1000"]
-# The fast path off (trainables.config.PLAIN_TRAIN): eager float32 (TF32 convolutions, as PyTorch's default), one
+# The fast path off (trainables.config.PLAIN_FAST): eager float32 (TF32 convolutions, as PyTorch's default), one
 # student call per batch, cuDNN for every convolution, no CUDA graph, no side streams, NCHW. (The plans run before
 # train.fast existed spelled these out one by one: train.compile=false train.cuda_graph=none ...)
 PLAIN = ["train.fast=false"]
@@ -51,7 +51,7 @@ def _plan_wrn28_2_paths(epochs: int) -> dict[str, list[str]]:
     return {
         "fast_s0": [*base, "seed=0"], "fast_s1": [*base, "seed=1"], "fast_s2": [*base, "seed=2"],
         "plain_s0": [*base, "seed=0", *PLAIN], "plain_s1": [*base, "seed=1", *PLAIN],
-        "fast_fp32_s0": [*base, "seed=0", "train.precision=fp32"],
+        "fast_fp32_s0": [*base, "seed=0", "train.fast.precision=fp32"],
         "supervised_s0": [*base, "seed=0", *SUPERVISED],
         "fast_bn32_s0": [*base, "seed=0", "train.bn_batch=32"], "fast_bn32_s1": [*base, "seed=1", "train.bn_batch=32"],
     }
@@ -59,14 +59,14 @@ def _plan_wrn28_2_paths(epochs: int) -> dict[str, list[str]]:
 
 def _plan_wrn28_2_bn_batch(epochs: int) -> dict[str, list[str]]:
     """Ghost batch norm on WRN-28-2 CowMix (fast path): 32 (the reference's 8-device pmap) on more seeds, and 64."""
-    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), "train.tune_kernels=false"]
+    base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), "train.fast.tune_kernels=false"]
     return {"fast_bn32_s1": [*base, "seed=1", "train.bn_batch=32"],
             "fast_bn32_s2": [*base, "seed=2", "train.bn_batch=32"],
             "fast_bn64_s0": [*base, "seed=0", "train.bn_batch=64"]}
 
 
-FAST = ["train.tune_kernels=false", "train.bn_batch=32"]   # the paper presets' ghost BN; no kernel tuning (minutes)
-FP32 = ["train.precision=fp32"]
+FAST = ["train.fast.tune_kernels=false", "train.bn_batch=32"]   # the paper presets' ghost BN; no kernel tuning
+FP32 = ["train.fast.precision=fp32"]
 
 
 def _plan_wrn28_2_full(epochs: int) -> dict[str, list[str]]:

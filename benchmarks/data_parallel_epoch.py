@@ -5,7 +5,7 @@ model on two GPUs) from a few epochs, and checks on real GPUs that the workers s
 
     python benchmarks/data_parallel_epoch.py cifar10_cowmix --world 2 --epochs 3 --out /tmp/dp \\
         --set data.dataset=imagefolder --set data.root=.devdata/train.zip --set data.n_val=5000 \\
-        --set data.eval_split=val --set train.tune_kernels=false
+        --set data.eval_split=val --set train.fast.tune_kernels=false
 
 The first epoch includes compilation; the last epochs' mean time, scaled to ``train.epochs``, is the prediction.
 Writes ``OUT/summary.json`` beside the run's ``metrics.jsonl`` and ``state.pt``.

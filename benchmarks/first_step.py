@@ -48,11 +48,12 @@ def child(args: argparse.Namespace) -> dict:
     cfg = TrainConfig.from_dict({   # throughput.make_config's, but compiled on the CPU too
         "model": args.model, "mix": {"name": "cowmix"},
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
-        "train": {"batch_size": args.batch, "device": args.device, "precision": "bf16" if cuda else "fp32",
-                  "channels_last": cuda, "compile": True, "cuda_graph": "step" if cuda else "none",
-                  # as a search's trial compiles it (trainables.fast.compile_options.tune_kernels_wanted)
-                  "tune_kernels": False,
-                  "dependent_launch": {"on": True, "off": False, "model": None}[args.dependent_launch]}})
+        "train": {"batch_size": args.batch, "device": args.device, "fast": {
+            "precision": "bf16" if cuda else "fp32", "channels_last": cuda, "compile": True,
+            "cuda_graph": "step" if cuda else "none",
+            # as a search's trial compiles it (trainables.fast.compile_options.tune_kernels_wanted)
+            "tune_kernels": False,
+            "dependent_launch": {"on": True, "off": False, "model": None}[args.dependent_launch]}}})
 
     raw = load_images(None, 2000)
     data = DeviceData(raw, make_splits(raw.train_labels, 0, 131, 1000, 0, raw.fingerprint), True, 4, device)
@@ -80,7 +81,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="cnn_tiny at batch 16 (CPU smoke run)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dependent-launch", choices=("model", "on", "off"), default="model",
-                   help="train.dependent_launch: the model's default (on for WRN-28-2 on a GPU), or on, or off")
+                   help="train.fast.dependent_launch: the model's default (on for WRN-28-2 on a GPU), or on, or off")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cudnn-limit", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()

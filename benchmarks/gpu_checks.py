@@ -3,13 +3,13 @@
 1. The compiled, CUDA-graphed bf16 step (student calls stacked, our Triton convolutions where they
    beat cuDNN: the defaults) gives the same losses as the eager float32 step with one student call
    per batch and cuDNN, on the same batches (to bf16 precision); again with cuDNN throughout
-   (train.conv_kernels: cudnn).
+   (train.fast.conv_kernels: cudnn).
 2. A run stopped after one epoch and resumed ends with the same weights as one that ran straight
    through, with compilation and CUDA graphs on (deterministic cuDNN, our Triton convolutions).
-3. The whole-step CUDA graph (train.cuda_graph=step) and the eager step, both float32 and
+3. The whole-step CUDA graph (train.fast.cuda_graph=step) and the eager step, both float32 and
    uncompiled, give the same losses and weights over several steps of the same batches: CowMix,
    supervised, Mean Teacher with two augmentations, and CowOut + CowMix together.
-4. The weight gradients on their own stream (train.wgrad_stream) give the same weights, bit for bit,
+4. The weight gradients on their own stream (train.fast.wgrad_stream) give the same weights, bit for bit,
    as the same layers with their weight gradients on the main stream, over several compiled, CUDA-graphed
    steps of WRN-28-2 (deterministic cuDNN; its row-kernel convolutions and the other, cuDNN's, ones), also
    with the side stream made late; again for the shake-shake WRN-26-2 (``wgrad_stream_shakeshake``). It
@@ -263,7 +263,7 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
     """The same compiled, CUDA-graphed steps with and without the host waiting for the GPU (and reading the
     metrics) after each: a step whose result depended on how far the host runs ahead (a race from one step's
     work into the next's) would show as a difference. With the layers switched to the stream's operators and
-    without (train.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced.
+    without (train.fast.wgrad_stream on and off); it also prints how far those two are apart, run ahead and synced.
     (``where`` "cpu" checks this function's own logic only.)"""
     batches = step_batches(steps, where)
     states = {(on, sync): trained_weights(config(model, device=where, compile=True, deterministic=True,
@@ -282,8 +282,8 @@ def check_step_sync(steps: int = 6, model: str = "wrn28_2", where: str = "cuda")
 
 def check_dependent_launch(steps: int = 6, model: str = "wrn28_2") -> bool:
     """The same compiled, CUDA-graphed, deterministic steps with the models' Inductor kernels launched with and
-    without programmatic dependent launch (train.dependent_launch): the kernels are the same, only where each waits
-    for the one before it differs, so a kernel that read or overwrote a buffer before its predecessor was done
+    without programmatic dependent launch (train.fast.dependent_launch): the kernels are the same, only where each
+    waits for the one before it differs, so a kernel that read or overwrote a buffer before its predecessor was done
     would show as a difference. Bit for bit; both compiled under Inductor's deterministic mode, where it has one (it
     then chooses each reduction's block sizes without timing them: two compiles that timed them could choose
     differently, and their sums would differ in the last bits; the first version of this check ran without it, and

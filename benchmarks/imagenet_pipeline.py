@@ -48,7 +48,8 @@ SIZES = ((500, 375), (375, 500), (500, 333), (500, 500), (333, 500))   # ImageNe
 SIZE_WEIGHTS = (0.55, 0.2, 0.15, 0.05, 0.05)                           # ... roughly as often as there
 PAPER_STEPS = 180 * 1251        # the paper's ImageNet run: 180 epochs of 1,281,167 // 1024 steps
 PAPER_BATCH = 1024
-EAGER = ["train.compile=false", "train.cuda_graph=none", "train.conv_kernels=cudnn", "train.wgrad_stream=false"]
+EAGER = ["train.fast.compile=false", "train.fast.cuda_graph=none", "train.fast.conv_kernels=cudnn",
+         "train.fast.wgrad_stream=false"]
 
 
 # ---------------------------------------------------------------------------------------------

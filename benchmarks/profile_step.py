@@ -52,7 +52,8 @@ def main() -> int:
                    help="every kernel on the main stream (the teacher's, and the weight gradients': "
                         "wgrad_stream.SIDE_STREAM off), so no kernel's duration is stretched by one beside it")
     p.add_argument("--conv-kernels", default="triton", choices=("cudnn", "triton"),
-                   help="the 3x3 convolutions: our Triton kernels where they beat cuDNN, or cuDNN (train.conv_kernels)")
+                   help="the 3x3 convolutions: our Triton kernels where they beat cuDNN, or cuDNN "
+                        "(train.fast.conv_kernels)")
     p.add_argument("--trace", help="write a Chrome trace here")
     p.add_argument("--untuned", action="store_true", help="no coordinate-descent tuning (a shorter compile)")
     p.add_argument("--kernel-bytes", action="store_true",
@@ -60,8 +61,8 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, default=kernel_bytes.BANDWIDTH,
                    help=f"--kernel-bytes: TB/s to set the bytes against ({kernel_bytes.BANDWIDTH})")
     p.add_argument("--reads", type=int, default=None, metavar="N",
-                   help="compile the models under Inductor's realize_reads_threshold N (train.realize_reads_threshold) "
-                        "instead of the model's own")
+                   help="compile the models under Inductor's realize_reads_threshold N "
+                        "(train.fast.realize_reads_threshold) instead of the model's own")
     p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES, *BLOCK_SWITCHES, *REFERENCE_LAYOUT}),
                    help="with the switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()

@@ -3,13 +3,13 @@
 Each variant's runner is built and captured first; then rounds of ``--steps`` steps go round the
 variants in turn, so drift of the GPU's clocks and of the host falls on all of them alike:
 
-    cudnn   train.conv_kernels=cudnn: cuDNN for every convolution
-    triton  train.conv_kernels=triton: the row-streaming kernels (trainables/fast/conv_rows.py) for the
+    cudnn   train.fast.conv_kernels=cudnn: cuDNN for every convolution
+    triton  train.fast.conv_kernels=triton: the row-streaming kernels (trainables/fast/conv_rows.py) for the
             ops and shapes in their table (conv_rows.CONFIGS), cuDNN for the rest
     sweep   as wgrad-stream (the trainer's defaults), with the table's configurations for the shapes in
             conv_rows_bench.py results (``--rows-json``) replaced by the best one per op and shape there, where
             it beat cuDNN (a shape the table lacks is added)
-    wgrad-stream  as triton, with their weight gradients on a side stream (train.wgrad_stream): the
+    wgrad-stream  as triton, with their weight gradients on a side stream (train.fast.wgrad_stream): the
             trainer's defaults
     aug-each-step  as wgrad-stream, with the batches augmented one step at a time
             (DeviceData.chunk_steps 1) instead of 8 steps at once
@@ -22,11 +22,11 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     one-update  as wgrad-stream, with the optimiser update and teacher EMA in one part after the weight-gradient
             stream's join (Switches.update_in_parts false) instead of two around it
     untuned  as wgrad-stream, without Inductor's coordinate-descent tuning of the models' kernels
-            (train.tune_kernels false)
+            (train.fast.tune_kernels false)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
-            (train.combo_kernels; by default on for the models in fast.compile_options.COMBO_KERNEL_MODELS)
+            (train.fast.combo_kernels; by default on for the models in fast.compile_options.COMBO_KERNEL_MODELS)
     eager-masks-losses  as wgrad-stream, with the masks and mixing after their random draws, and the
-            losses, run eagerly (train.compile_masks_and_losses false) instead of compiled
+            losses, run eagerly (train.fast.compile_masks_and_losses false) instead of compiled
     two-first-convs  as wgrad-stream, with a shake-shake block's two first convolutions run one by one
             (the fast block's one_first_conv false, trainables/fast/model_swaps.py) instead of as one
     biased-bn-convs  as wgrad-stream, with the shake-shake model's convolutions that feed a batch norm given a bias
@@ -35,7 +35,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     unfolded-teacher  as wgrad-stream, with the shake-shake teacher's batch norms computed as such in eval mode
             (fold_eval_bn false) instead of folded into its convolutions
     reads-N  as wgrad-stream, with the models compiled under Inductor's realize_reads_threshold N
-            (train.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
+            (train.fast.realize_reads_threshold; N = 2, 3, 4, 5, 6 or 8; 8 is the trainer's setting for every model but
             those in fast.compile_options.REALIZE_READS_BY_MODEL) instead of the model's own
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
@@ -46,7 +46,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             kernels of their own inside the stacked student call (SegmentedBatchNorm2d.defer_stats false) instead
             of after it in a few foreach kernels
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
-            dependent launch (train.dependent_launch; by default on for the models in
+            dependent launch (train.fast.dependent_launch; by default on for the models in
             fast.compile_options.DEPENDENT_LAUNCH_MODELS)
     unpaired-inner-bn-relu  as wgrad-stream, with each shake-shake block's two inner batch norms and ReLUs as layers
             of their own, Inductor's backward, instead of one function over the stacked first convolution's output

@@ -87,7 +87,7 @@ def summarise(events: list[dict], skip: int = 1) -> dict:
     rs = replays(events)
     if len(rs) < skip + 2:
         raise SystemExit(f"the trace holds {len(rs)} CUDA graph replays; need at least {skip + 2} "
-                         "(profile a captured step: train.cuda_graph step, more --steps)")
+                         "(profile a captured step: train.fast.cuda_graph step, more --steps)")
     all_kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     rows = []
     for r, nxt in zip(rs[skip:-1], rs[skip + 1:]):

@@ -64,13 +64,13 @@ def make_config(model: str, method: str, batch: int, device: str, fast: bool, co
     return TrainConfig.from_dict({
         "model": model, **METHODS[method],
         "data": {"dataset": "cifar10", "n_val": 0, "n_labeled": 1000, "eval_split": "test"},
-        "train": {"batch_size": batch, "device": device, "precision": "bf16" if fast else "fp32",
-                  "channels_last": fast, "compile": fast and compile_, "compile_mode": compile_mode,
-                  "cuda_graph": cuda_graph if fast else "none", "stack_student_calls": fast and stack,
-                  "conv_kernels": conv_kernels if fast else "cudnn", "wgrad_stream": fast and wgrad_stream,
-                  "combo_kernels": combo_kernels, "compile_masks_and_losses": compile_masks_and_losses,
-                  "tune_kernels": tune_kernels, "realize_reads_threshold": realize_reads_threshold,
-                  "dependent_launch": dependent_launch},
+        "train": {"batch_size": batch, "device": device, "fast": {
+            "precision": "bf16" if fast else "fp32", "channels_last": fast, "compile": fast and compile_,
+            "compile_mode": compile_mode, "cuda_graph": cuda_graph if fast else "none",
+            "stack_student_calls": fast and stack, "conv_kernels": conv_kernels if fast else "cudnn",
+            "wgrad_stream": fast and wgrad_stream, "combo_kernels": combo_kernels,
+            "compile_masks_and_losses": compile_masks_and_losses, "tune_kernels": tune_kernels,
+            "realize_reads_threshold": realize_reads_threshold, "dependent_launch": dependent_launch}},
     })
 
 
@@ -203,7 +203,8 @@ def packing_mode(args) -> int:
     train_config = {"model": model, "mix": {"name": "cowmix"},
                     "data": {**data, "n_labeled": 100 if args.tiny else 1000},
                     "train": {"batch_size": args.batch, "epochs": args.epochs, "steps_per_epoch": args.steps,
-                              "device": args.device, "eval_batch_size": 1000, "gpu_turns": not args.no_gpu_turns}}
+                              "device": args.device, "eval_batch_size": 1000,
+                              "fast": {"gpu_turns": not args.no_gpu_turns}}}
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     where = torch.cuda.get_device_name() if gpus else "cpu"
     print(f"# packing on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: {model} CowMix, "
@@ -224,12 +225,12 @@ def search_mode(args) -> int:
     print(f"# search wall time on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
           f"{args.search} {'cnn_tiny smoke' if args.tiny else 'WRN-28-2'} CowMix trials x {args.epochs} epochs",
           flush=True)
-    extra = ["--set", "train.device=cpu"] if args.device == "cpu" else ["--set", f"train.cuda_graph={args.cuda_graph}",
-                                                                     "--set", f"train.conv_kernels={args.conv_kernels}"]
+    extra = ["--set", "train.device=cpu"] if args.device == "cpu" else [
+        "--set", f"train.fast.cuda_graph={args.cuda_graph}", "--set", f"train.fast.conv_kernels={args.conv_kernels}"]
     if args.concurrency:
         extra += ["--concurrency", str(args.concurrency)]
     if args.no_gpu_turns:
-        extra += ["--set", "train.gpu_turns=false"]
+        extra += ["--set", "train.fast.gpu_turns=false"]
     result = run_search_timed(args.search, args.epochs, args.data, "wrn28_2", args.tiny, extra)
     print_search(result, args.epochs)
     if args.json:
@@ -253,10 +254,11 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", default="step", choices=("step", "model", "none"),
                    help="one CUDA graph per step, torch.compile's graphs per model pass, or none")
     p.add_argument("--separate-calls", action="store_true",
-                   help="one student call per batch instead of one stacked call (train.stack_student_calls=false)")
+                   help="one student call per batch instead of one stacked call "
+                        "(train.fast.stack_student_calls=false)")
     p.add_argument("--conv-kernels", default="triton", choices=("cudnn", "triton"),
                    help="the fast pipeline's 3x3 convolutions: our Triton kernels where they beat cuDNN (the "
-                        "trainer's default), or cuDNN for all (train.conv_kernels)")
+                        "trainer's default), or cuDNN for all (train.fast.conv_kernels)")
     p.add_argument("--tiny", action="store_true", help="cnn_tiny, batch 16, a few steps: a smoke run for CI")
     p.add_argument("--json", help="also write the rows as JSON here")
     p.add_argument("--packing", metavar="K,K,...", help="packing mode: k WRN-28-2 CowMix trials at once under "
