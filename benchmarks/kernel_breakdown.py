@@ -24,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_required import require_gpu  # noqa: E402  (this folder: on sys.path when run as a script)
 from trainables.fast.stored_grad import register_lowering  # noqa: E402
+from trainables.fast.model_swaps import speed_up_model  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.models.segmented_bn import SegmentedBatchNorm2d, batch_segments  # noqa: E402
 
@@ -74,7 +75,7 @@ def timed_graph(fn, iters=60):
 
 def bench(name, model_name="wrn28_2", bn=None, mode="two", batch=256, cl=True, compile_mode="default"):
     torch.manual_seed(0)
-    m = create_model(model_name, 10).to(dev)
+    m = speed_up_model(create_model(model_name, 10)).to(dev)   # the trainer's fast layers (trainables.fast.model_swaps)
     bns = [b for b in m.modules() if isinstance(b, SegmentedBatchNorm2d)]
     if bn is not None:   # a variant of the layer's forward, no state of its own
         for b in bns:

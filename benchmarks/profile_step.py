@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from gpu_required import require_gpu  # noqa: E402
-from step_ab import (BLOCK_SWITCHES, REFERENCE_LAYOUT, SWITCHED_ON, SWITCHES, build_variant_runner,  # noqa: E402
-                     variant_switched)
+from step_ab import (BLOCK_SWITCHES, BN_SWITCHES, REFERENCE_LAYOUT, SWITCHED_ON, SWITCHES,  # noqa: E402
+                     build_variant_runner, variant_switched)
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
@@ -63,7 +63,8 @@ def main() -> int:
     p.add_argument("--reads", type=int, default=None, metavar="N",
                    help="compile the models under Inductor's realize_reads_threshold N "
                         "(train.fast.realize_reads_threshold) instead of the model's own")
-    p.add_argument("--variant", choices=sorted({*SWITCHED_ON, *SWITCHES, *BLOCK_SWITCHES, *REFERENCE_LAYOUT}),
+    p.add_argument("--variant",
+                   choices=sorted({*SWITCHED_ON, *SWITCHES, *BLOCK_SWITCHES, *BN_SWITCHES, *REFERENCE_LAYOUT}),
                    help="with the switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
     if args.reads is not None and args.reads < 1:

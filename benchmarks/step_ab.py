@@ -43,7 +43,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
     inline-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated in small
-            kernels of their own inside the stacked student call (SegmentedBatchNorm2d.defer_stats false) instead
+            kernels of their own inside the stacked student call (defer_stats false, BN_SWITCHES) instead
             of after it in a few foreach kernels
     pdl, no-pdl  as wgrad-stream, with the models' Inductor kernels launched with or without programmatic
             dependent launch (train.fast.dependent_launch; by default on for the models in
@@ -92,7 +92,6 @@ from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
 from trainables.fast.model_swaps import speed_up_model  # noqa: E402
 from trainables.fast.step_graph import StepGraph  # noqa: E402
 from trainables.models import MODELS  # noqa: E402
-from trainables.models.segmented_bn import SegmentedBatchNorm2d  # noqa: E402
 from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
@@ -107,13 +106,15 @@ DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
 # variants that turn off some of the trainer's class switches (on by default)
 SWITCHES = {"eager-ema": ((Switches, "compile_ema"),), "one-update": ((Switches, "update_in_parts"),),
             "no-priority": ((StepGraph, "priority"),),
-            "narrow-rows": ((TritonConv2d, "same_and_biased"),),
-            "inline-stats": ((SegmentedBatchNorm2d, "defer_stats"),)}
+            "narrow-rows": ((TritonConv2d, "same_and_biased"),)}
 # variants that turn off some of the fast shake-shake blocks' switches (trainables.fast.model_swaps.ShakeShakeSwitches,
 # all on in the trainer): set on the built runner's student and teacher (``blocks_switched``)
 BLOCK_SWITCHES = {"two-first-convs": {"one_first_conv": False}, "reference-convs": {"one_first_conv": False},
                   "unfolded-teacher": {"fold_eval_bn": False}, "unstored-input-grads": {"store_input_grad": False},
                   "unpaired-inner-bn-relu": {"paired_inner_bn_relu": False}}
+# variants that turn off a fast-path setting of every batch norm (trainables.fast.model_swaps.BatchNormSwitches, all on
+# in the trainer), any model: set on the built runner's student and teacher, as BLOCK_SWITCHES are
+BN_SWITCHES = {"inline-stats": {"defer_stats": False}}
 # variants whose shake-shake models are built in the reference's layout (``reference_layout``)
 REFERENCE_LAYOUT = frozenset({"biased-bn-convs", "reference-convs"})
 SHAKE_SHAKE = ("wrn26_6_shakeshake", "wrn26_2_shakeshake", "wrn20_6_shakeshake")
@@ -188,11 +189,13 @@ def build_variant_runner(cfg, num_classes: int, device: torch.device, variant: s
 
 
 def blocks_switched(runner, variant: str | None):
-    """The runner's student and teacher with their fast blocks' switches as ``variant`` asks (``BLOCK_SWITCHES``; the
-    others on): before its first step, which compiles and captures them. Another variant leaves them as built."""
-    if variant in BLOCK_SWITCHES:
+    """The runner's student and teacher with their fast blocks' and batch norms' switches as ``variant`` asks
+    (``BLOCK_SWITCHES``, ``BN_SWITCHES``; the others on): before its first step, which compiles and captures them.
+    Another variant leaves them as built."""
+    switches = BLOCK_SWITCHES.get(variant, BN_SWITCHES.get(variant))
+    if switches is not None:
         for model in (runner.student, runner.teacher):
-            speed_up_model(model, **BLOCK_SWITCHES[variant])
+            speed_up_model(model, **switches)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from trainables.models import create_model
 from trainables.optim import make_optimizer
 from trainables.models.segmented_bn import (SegmentedBatchNorm2d, _EqualSegmentsBatchNorm, batch_segments,
                                      convert_batch_norm, segmentable)
+from trainables.fast.model_swaps import speed_up_model
 from trainables.fast.switch import FastStep
 from trainables.ssl.ema import make_teacher
 from trainables.step import StepRunner
@@ -179,9 +180,8 @@ def test_fused_bn_relu_is_relu_after_batch_norm(monkeypatch):
     w = torch.linspace(-1, 1, 80, dtype=torch.float64).view(8, 10)
     models, outs = {}, {}
     for fused in (False, True):
-        monkeypatch.setattr(SegmentedBatchNorm2d, "fuse_relu", fused)
         torch.manual_seed(1)
-        model = models[fused] = create_model("wrn28_2", 10).double()
+        model = models[fused] = speed_up_model(create_model("wrn28_2", 10).double(), fuse_relu=fused)
         with batch_segments(segmentable(model), ((4, True), (4, False))):
             outs[fused] = model(x)
         (outs[fused] * w).sum().backward()
@@ -210,8 +210,7 @@ def test_deferred_running_statistics_are_the_layers_own(compiled, monkeypatch):
             m.momentum = 0.3 if m.num_features == 64 else 0.1   # two momenta: two groups of lerps
     models, outs = {}, {}
     for defer in (False, True):
-        monkeypatch.setattr(SegmentedBatchNorm2d, "defer_stats", defer)
-        model = models[defer] = copy.deepcopy(base)
+        model = models[defer] = speed_up_model(copy.deepcopy(base), defer_stats=defer)
         call = torch.compile(model, dynamic=False) if compiled else model
         if compiled:
             torch._dynamo.reset()
@@ -235,6 +234,7 @@ def test_a_failed_stacked_call_leaves_the_running_statistics_and_cannot_nest(mon
     next call starts clean; a stacked call inside another is refused."""
     monkeypatch.setattr(SegmentedBatchNorm2d, "one_pass_eager", True)
     model = convert_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Flatten(), torch.nn.Linear(5, 2)))
+    speed_up_model(model)   # the one-pass calls' statistics deferred to the end of the stacked call
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError):   # the batch norm runs, then the linear layer meets the wrong width
         with batch_segments(segmentable(model), ((2, True), (2, True))):
@@ -269,8 +269,7 @@ def test_deferred_running_statistics_of_a_layer_called_twice(monkeypatch):
                         lambda entries, segments: rounds.append([id(m) for m, *_ in entries]) or update(entries, segments))
     states = []
     for defer in (False, True):
-        monkeypatch.setattr(SegmentedBatchNorm2d, "defer_stats", defer)
-        model = copy.deepcopy(base)
+        model = speed_up_model(copy.deepcopy(base), defer_stats=defer)
         x = torch.randn(8, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 2 + 1
         with batch_segments(segmentable(model), ((4, True), (4, True))):
             model(x)
@@ -366,7 +365,6 @@ def _outputs_and_grads(model, x, seed=1):
 
 def _plain_and_fast(name="wrn26_2_shakeshake", bn_conv_bias=False, **switches):
     """A shake-shake model (float64) and a copy with its blocks switched to the fast ones, with ``switches``."""
-    from trainables.fast.model_swaps import speed_up_model
     from trainables.models import MODELS
 
     plain = segmented_bn.convert_batch_norm(MODELS[name](10, bn_conv_bias=bn_conv_bias)).double()
@@ -387,8 +385,9 @@ def _random_bn_state(model):
 
 def test_speed_up_model_switches_the_blocks_and_keeps_the_state_dict():
     """The fast blocks hold the plain blocks' parameters and buffers under the same keys (checkpoints load either
-    way); the switches are each block's own, a copy (the teacher) keeps them, and a misspelt one is named."""
-    from trainables.fast.model_swaps import FastShakeShakeBlock, model_switches, speed_up_model
+    way); the switches are each block's and each batch norm's own (the plain layers' are off), a copy (the teacher)
+    keeps them, and a misspelt one is named."""
+    from trainables.fast.model_swaps import FastShakeShakeBlock, model_switches
     from trainables.models.shakeshake import ShakeShakeBlock
 
     plain, fast = _plain_and_fast()
@@ -396,13 +395,16 @@ def test_speed_up_model_switches_the_blocks_and_keeps_the_state_dict():
     assert {type(m) for m in fast.blocks} == {FastShakeShakeBlock}
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in fast.state_dict().items()}
     assert all(torch.equal(v, fast.state_dict()[k]) for k, v in plain.state_dict().items())
-    assert model_switches(plain) == []
+    assert model_switches(plain) == [("SegmentedBatchNorm2d", ("fuse_relu", False), ("defer_stats", False))]
     assert model_switches(fast) == [("FastShakeShakeBlock", ("one_first_conv", True), ("fold_eval_bn", True),
-                                     ("store_input_grad", True), ("paired_inner_bn_relu", True))]
-    teacher = make_teacher(speed_up_model(fast, fold_eval_bn=False))
+                                     ("store_input_grad", True), ("paired_inner_bn_relu", True)),
+                                    ("SegmentedBatchNorm2d", ("fuse_relu", True), ("defer_stats", True))]
+    assert not any(vars(m).get("fuse_relu") for m in plain.modules())   # the plain layers: their class's, off
+    teacher = make_teacher(speed_up_model(fast, fold_eval_bn=False, defer_stats=False))
     assert [m.fold_eval_bn for m in teacher.blocks] == [False] * len(teacher.blocks)
+    assert {m.defer_stats for m in teacher.modules() if isinstance(m, SegmentedBatchNorm2d)} == {False}
     assert model_switches(teacher) == model_switches(fast) != model_switches(speed_up_model(copy.deepcopy(fast)))
-    with pytest.raises(ValueError, match="Unknown switch 'fold_bn' of the fast blocks. Known: fold_eval_bn, "):
+    with pytest.raises(ValueError, match="Unknown switch 'fold_bn' of the fast blocks. Known: defer_stats, fold_eval"):
         speed_up_model(fast, fold_bn=False)
 
 
@@ -465,8 +467,6 @@ def test_eval_with_folded_batch_norms_computes_what_unfolded_does(bn_conv_bias, 
 def test_folded_eval_needs_every_batch_norm_in_eval_mode():
     """A batch norm left in training mode inside an eval-mode block (batch-norm recalibration) normalises by batch
     statistics: the block then runs unfolded, and gives what the plain block gives."""
-    from trainables.fast.model_swaps import speed_up_model
-
     plain, _ = _plain_and_fast()
     _random_bn_state(plain)
     fast = speed_up_model(copy.deepcopy(plain))
@@ -482,8 +482,6 @@ def test_folded_eval_needs_every_batch_norm_in_eval_mode():
 
 def test_folded_eval_is_not_taken_in_training():
     """Training mode normalises by batch statistics, which no fold can give: the switch leaves it alone."""
-    from trainables.fast.model_swaps import speed_up_model
-
     plain, fast = _plain_and_fast()
     _random_bn_state(fast)
     unfolded = speed_up_model(copy.deepcopy(fast), fold_eval_bn=False)

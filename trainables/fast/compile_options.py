@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainables.fast.fast_conv import TritonConv2d
-from trainables.models.segmented_bn import SegmentedBatchNorm2d
 
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
@@ -47,8 +46,9 @@ DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
 
 # Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key (the
-# fast blocks' switches are their own, and the key reads them from the student: model_swaps.model_switches).
-GRAPH_SWITCH_OWNERS = (SegmentedBatchNorm2d, TritonConv2d)
+# fast blocks' and the batch norms' switches are their own, and the key reads them from the student:
+# model_swaps.model_switches).
+GRAPH_SWITCH_OWNERS = (TritonConv2d,)
 
 
 def realize_reads_wanted(cfg: TrainConfig) -> int | None:

@@ -2,10 +2,11 @@
 
 ``speed_up_model(model)`` switches each block whose class ``FAST_BLOCKS`` names to that block's fast class, in place
 (the class of the module changes; its parameters, buffers and state-dict keys do not), and sets the fast class's
-switches on that block, all on unless asked otherwise. The trainer does it to the student, before the teacher is
-copied from it, only when ``train.fast`` is on (``trainables.fast.switch.prepare_student``); with it off the models
-are the plain modules of ``trainables.models``. A fast class computes its plain block's function (up to rounding)
-with fewer passes over the activations; the tests compare the two.
+switches on that block, all on unless asked otherwise; and it turns on the fast path's settings of every
+``SegmentedBatchNorm2d`` (``BatchNormSwitches``), as attributes of each layer. The trainer does it to the student,
+before the teacher is copied from it, only when ``train.fast`` is on (``trainables.fast.switch.prepare_student``); with
+it off the models are the plain modules of ``trainables.models``. A fast class computes its plain block's function
+(up to rounding) with fewer passes over the activations; the tests compare the two.
 
     speed_up_model(model)                          # the trainer's fast path: every switch on
     speed_up_model(model, fold_eval_bn=False)      # again, on a built model: an A/B timing or a check
@@ -25,7 +26,7 @@ from trainables.fast.conv_bias_relu import conv_bias_relu
 from trainables.fast.fast_conv import computes_on_rows
 from trainables.fast.stored_grad import stored_grad
 from trainables.models.layers import SameConv2d
-from trainables.models.segmented_bn import pairs_in_one_pass
+from trainables.models.segmented_bn import SegmentedBatchNorm2d, pairs_in_one_pass
 from trainables.models.shakeshake import ShakeShakeBlock
 
 
@@ -44,6 +45,17 @@ class ShakeShakeSwitches:
                                        # over the stacked output, whose backward is our own kernels
                                        # (trainables.fast.bn_relu_pair: ReLU's mask from the batch norm's input, no
                                        # read of its output)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchNormSwitches:
+    """The fast path's settings of each ``SegmentedBatchNorm2d`` (off in the plain layer), each on unless turned off
+    (``benchmarks/step_ab.py`` inline-stats); set on every such layer of a model by ``speed_up_model``, held as the
+    layer's own attributes and read when it is traced (so part of the first-compile key, ``model_switches``)."""
+    fuse_relu: bool = True             # ``forward_relu`` on the one-pass path and in ghost batches: the ReLU inside
+                                       # the one-pass function, its backward's mask from the batch norm's input
+    defer_stats: bool = True           # the one-pass calls' running statistics updated by ``batch_segments`` for every
+                                       # layer at once after the stacked call, in a few foreach kernels
 
 
 def _foldable(bn: nn.Module) -> bool:
@@ -138,18 +150,25 @@ def _entry(m: nn.Module) -> tuple[type[nn.Module], type] | None:
 
 
 def speed_up_model(model: nn.Module, **switches: bool) -> nn.Module:
-    """Switch every block of ``model`` that ``FAST_BLOCKS`` names (or that was switched before) to its fast class, with
-    each switch ``switches`` names as given and the others on; returns ``model``.
+    """Switch every block of ``model`` that ``FAST_BLOCKS`` names (or that was switched before) to its fast class, and
+    set ``BatchNormSwitches`` on every ``SegmentedBatchNorm2d``, with each switch ``switches`` names as given and the
+    others on; returns ``model``.
 
     Raises:
         ValueError: a name in ``switches`` that no fast block's switches have.
     """
-    known = {f.name for _, kind in FAST_BLOCKS.values() for f in dataclasses.fields(kind)}
+    kinds = (BatchNormSwitches, *(kind for _, kind in FAST_BLOCKS.values()))
+    known = {f.name for kind in kinds for f in dataclasses.fields(kind)}
     unknown = sorted(set(switches) - known)
     if unknown:
         raise ValueError(f"Unknown switch {', '.join(map(repr, unknown))} of the fast blocks. Known: "
                          f"{', '.join(sorted(known))}")
+    bn_names = {f.name for f in dataclasses.fields(BatchNormSwitches)}
+    bn_switches = dataclasses.asdict(BatchNormSwitches(**{k: v for k, v in switches.items() if k in bn_names}))
     for m in model.modules():
+        if isinstance(m, SegmentedBatchNorm2d):
+            for name, value in bn_switches.items():
+                setattr(m, name, value)
         entry = _entry(m)
         if entry is None:
             continue
@@ -162,10 +181,14 @@ def speed_up_model(model: nn.Module, **switches: bool) -> nn.Module:
 
 
 def model_switches(model: nn.Module) -> list[tuple]:
-    """The switches of ``model``'s fast blocks, one (class name, (switch, value), ...) per distinct setting, sorted:
+    """The switches of ``model``'s fast blocks and batch norms, one (class name, (switch, value), ...) per distinct
+    setting, sorted:
     what a compiled forward of ``model`` depends on besides its parameters (the first-compile key)."""
     seen = set()
     for m in model.modules():
+        if isinstance(m, SegmentedBatchNorm2d):   # switched or not: a plain layer's are its class's (off)
+            seen.add((type(m).__name__, *((f.name, getattr(m, f.name))
+                                          for f in dataclasses.fields(BatchNormSwitches))))
         entry = _entry(m)
         if entry is not None and type(m) is entry[0]:
             seen.add((type(m).__name__, *((f.name, getattr(m, f.name)) for f in dataclasses.fields(entry[1]))))

@@ -15,7 +15,8 @@ analytic backward (``_EqualSegmentsBatchNorm``), which Inductor fuses into as fe
 batch norm; otherwise (and eagerly, where the native kernels are faster) each segment is a separate
 ``F.batch_norm`` call and the results are concatenated. The one-pass calls leave their running-statistics
 updates to ``batch_segments``, which makes them for every layer at once when the call returns
-(``defer_stats``): a few foreach kernels instead of two or three small ones per layer.
+(``defer_stats``, on where the fast path sets it): a few foreach kernels instead of two or three small ones per
+layer.
 
 Ghost batch norm (``set_ghost_batch``, the config's ``train.bn_batch``): in training mode each batch is
 normalised in groups of ``ghost`` rows, each group with its own statistics, as the reference's per-device
@@ -43,13 +44,14 @@ class SegmentedBatchNorm2d(nn.BatchNorm2d):
 
     segments: Segments | None = None
     ghost: int | None = None  # training: rows per ghost batch (``set_ghost_batch``); None: the whole batch
-    one_pass_eager = False   # the one-pass path also when not compiling (tests)
-    fuse_relu = True         # bn_relu's fused one-pass function (off: relu after it, for A/B timings)
+    one_pass_eager = False   # the one-pass path also when not compiling (tests; changes no compiled graph)
+    # Two settings of each layer that the fast path turns on (trainables.fast.model_swaps.speed_up_model: the layer's
+    # own attributes, BatchNormSwitches); here, in the plain layer, off. Neither changes a result (the tests compare).
+    fuse_relu = False        # forward_relu on the one-pass path: the ReLU inside the one-pass function (off: after it)
     # the one-pass path leaves its statistics to ``batch_segments``, which updates every layer's running statistics
     # and batch count in a few foreach kernels after the call, instead of two to three small kernels per layer inside
-    # it (fewer launches; measured in docs/journal/2026-11-28.md); off: inside (for A/B timings)
-    defer_stats = True
-    COMPILE_KEY_SWITCHES = ("fuse_relu", "defer_stats")   # those that change a compiled graph
+    # it (fewer launches; measured in docs/journal/2026-11-28.md); off: inside
+    defer_stats = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ghost is not None and self.training:
