@@ -120,7 +120,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     from trainables.data import Batch
     from trainables.fast import switch
     from trainables.fast.stored_grad import register_lowering
-    from trainables.models.segmented_bn import SegmentedBatchNorm2d
+    from trainables.fast.model_swaps import speed_up_model
     from trainables.trainer import build_runner
 
     seen: list[tuple[bool, int]] = []
@@ -157,7 +157,7 @@ def test_the_models_reads_threshold_reaches_inductor_in_forward_and_backward(mon
     runner.fast.inductor_options["student"]["realize_reads_threshold"] = 8
     assert compile_key(runner, batch) != key
     key = compile_key(runner, batch)
-    monkeypatch.setattr(SegmentedBatchNorm2d, "fuse_relu", False)   # a batch-norm switch: the traced graph differs
+    speed_up_model(runner.student, fuse_relu=False)   # a batch-norm switch: the traced graph differs
     assert compile_key(runner, batch) != key
 
 
@@ -167,7 +167,7 @@ def test_every_switch_of_the_fast_blocks_is_in_the_compile_key():
     import dataclasses
 
     from trainables.data import Batch
-    from trainables.fast.model_swaps import ShakeShakeSwitches, speed_up_model
+    from trainables.fast.model_swaps import BatchNormSwitches, ShakeShakeSwitches, speed_up_model
     from trainables.fast.switch import compile_key
     from trainables.trainer import build_runner
 
@@ -176,19 +176,23 @@ def test_every_switch_of_the_fast_blocks_is_in_the_compile_key():
     x = torch.zeros(2, 3, 32, 32)
     batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
     keys = {compile_key(runner, batch)}
-    for field in dataclasses.fields(ShakeShakeSwitches):
+    fields = (*dataclasses.fields(ShakeShakeSwitches), *dataclasses.fields(BatchNormSwitches))
+    for field in fields:
         speed_up_model(runner.student, **{field.name: False})
         keys.add(compile_key(runner, batch))
-    assert len(keys) == 1 + len(dataclasses.fields(ShakeShakeSwitches))
+    assert len(keys) == 1 + len(fields)
 
 
 def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
     """As above, for the batch norm's class switches; ``one_pass_eager`` (tests: the one-pass function when not
     compiling) is the one that changes no compiled graph."""
+    import dataclasses
+
+    from trainables.fast.model_swaps import BatchNormSwitches
     from trainables.models.segmented_bn import SegmentedBatchNorm2d
 
     switches = {name for name, value in vars(SegmentedBatchNorm2d).items() if isinstance(value, bool)}
-    assert switches - {"one_pass_eager"} == set(SegmentedBatchNorm2d.COMPILE_KEY_SWITCHES)
+    assert switches - {"one_pass_eager"} == {f.name for f in dataclasses.fields(BatchNormSwitches)}   # set per layer
 
 
 def test_every_switch_of_the_row_kernels_layer_is_in_the_compile_key():
