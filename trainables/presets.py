@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from trainables.config import TrainConfig
+from trainables.config import FLAT_FAST_KEYS, TrainConfig
 from trainables.validation import ConfigError, set_dotted, unknown_name
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -105,6 +105,8 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         key = key.strip()
         if key == "train.fast" and isinstance(parsed, bool):
             key = "train.fast.enabled"   # the shorthand, beside other train.fast settings given before or after it
+        elif key.startswith("train.") and key[len("train."):] in FLAT_FAST_KEYS:
+            key = f"train.fast.{key[len('train.'):]}"   # the spelling before 2026-12-03, over a written config too
         train = d.get("train")
         if key.startswith("train.fast.") and isinstance(train, dict) and isinstance(train.get("fast"), bool):
             train["fast"] = {"enabled": train["fast"]}   # a file's `fast: false`, then --set train.fast.X
