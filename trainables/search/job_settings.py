@@ -10,6 +10,7 @@ from typing import Any
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 
+from trainables.config import FLAT_FAST_KEYS
 from trainables.file_locks import hold_job_lock
 from trainables.search import tracking
 from trainables.validation import ConfigError
@@ -90,7 +91,7 @@ GROWS = "search.trials"   # the one setting a search with its study in a databas
 def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags: dict[str, str],
                         ignore: tuple[str, ...] = ()) -> None:
     """Raises ConfigError unless the job recorded under ``parent`` has these settings (``setting_params``)."""
-    old = dict(parent.data.params)
+    old = params_in_todays_layout(dict(parent.data.params))
     if old and params:
         differ = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k) and k not in ignore)
         if not differ:
@@ -103,6 +104,20 @@ def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags
         shown, more = "fields not recorded by the version that started it", ""
     raise ConfigError(f"{exp_path} was started with other settings (differs in: {shown}{more}); run it with its "
                       "own settings to resume it, or pass --name NEW to start another")
+
+
+def params_in_todays_layout(recorded: dict[str, str]) -> dict[str, str]:
+    """A job's recorded parameters with the config's speed settings of the layout before 2026-12-03
+    (``config.train.compile``, ...) named as today (``config.train.fast.compile``; the old ``config.train.fast``
+    switch becomes ``config.train.fast.enabled``), as ``trainables.config.upgrade_layout`` reads such a config: a
+    search recorded before the rename resumes with its own settings instead of differing in every speed key."""
+    moved = {f"config.train.{k}": f"config.train.fast.{k}" for k in FLAT_FAST_KEYS}
+    if not moved.keys() & recorded.keys():
+        return recorded
+    out = {moved.get(k, k): v for k, v in recorded.items() if k != "config.train.fast"}
+    if "config.train.fast" in recorded:
+        out["config.train.fast.enabled"] = recorded["config.train.fast"]
+    return out
 
 
 def log_params(uri: str, run_id: str, params: dict[str, str]) -> None:
