@@ -29,20 +29,28 @@ PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True))
 
 _GIVEN_PORTS: set[int] = set()
 
-# The suite runs on two pytest-xdist workers (scripts/test.sh: -n 2). Each test module runs whole on one worker
-# (its module fixtures start once), and every test that starts or reaches the shared services (the session's Ray
-# head, MLflow server and PostgreSQL) or a local Ray of its own (a search with embedded defaults) is in one scope,
-# so those run one at a time on one worker, as in a serial run. The cluster and team-stack tests start their own
-# Ray nodes on free ports and temporary folders, so they may run beside them.
-SERVICE_MODULES = {"test_bad_inputs", "test_compose", "test_search", "test_search_asha", "test_search_confirm", "test_search_ddp",
-                   "test_search_progress", "test_search_resume", "test_search_summary", "test_tracking_outage"}
-SERVICE_TESTS = {"test_search_mode_tiny_cpu", "test_packing_mode_tiny_cpu"}   # test_benchmark: a local Ray inside
+# The suite runs on pytest-xdist workers (scripts/test.sh). Each worker is a pytest session of its own, so it starts
+# its own session services (Ray head, MLflow server, PostgreSQL; each on free ports and in folders of its own) when a
+# test there first asks for them, and runs one test at a time: two tests that share one server never run at once.
+# A test module runs whole on one worker (its module fixtures start once). The one exception: the tests that start
+# a local Ray of their own (`ray.init(address="local")`: a search with embedded defaults, under SIGTERM, on a full
+# disk, the benchmark's search and packing modes) take Ray's fixed default ports (the dashboard agent's 52365), so
+# they form one scope, "local-ray", and run one after another on one worker, as in a serial run.
+LOCAL_RAY_TESTS = (
+    "test_bad_inputs.py::test_a_search_whose_storage_fills_up_ends_in_one_line_naming_it",
+    "test_benchmark.py::test_packing_mode_tiny_cpu",
+    "test_benchmark.py::test_search_mode_tiny_cpu",
+    "test_search.py::test_embedded_defaults_and_a_relative_data_path",
+    "test_search_progress.py::test_sigterm_stops_a_final_in_one_line_and_kills_its_parent_run",
+    "test_search_progress.py::test_sigterm_stops_a_search_in_two_lines_and_the_same_command_resumes_it",
+    "test_search_progress.py::test_the_driver_breaks_ties_alike_on_a_first_run_and_a_restored_one",
+)
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The xdist scope of a test: ``services`` or its module's path."""
+    """The xdist scope of a test: ``local-ray`` or its module's path."""
     module, _, name = nodeid.partition("::")
-    return "services" if _stem(nodeid) in SERVICE_MODULES or name.split("[")[0] in SERVICE_TESTS else module
+    return "local-ray" if f"{_stem(nodeid)}.py::{name.split('[')[0]}" in LOCAL_RAY_TESTS else module
 
 
 def _stem(nodeid: str) -> str:
@@ -50,15 +58,18 @@ def _stem(nodeid: str) -> str:
     return nodeid.partition("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
-# Scopes that take a minute or more on 2 cores, longest first (measured 2026-11-29): the workers take them first,
-# then the rest in collection order, so no long scope starts last and leaves the other worker idle at the end.
-LONG_SCOPES = ["services", "tests/test_cluster.py", "tests/test_fast_path.py", "tests/test_team_stack.py",
-               "tests/test_benchmark.py", "tests/test_end_to_end.py", "tests/test_compile_ahead.py",
-               "tests/test_data_parallel.py", "tests/test_cli.py", "tests/test_bn_relu_pair.py",
-               "tests/test_fast_conv.py", "tests/test_trainer.py"]
-
-SHARED_SERVICES = {"mlflow_server", "ray_head", "search_env", "postgres"}   # the session fixtures of one server each
-OWN_NODES = {"test_cluster", "test_team_stack"}   # start their own Ray nodes; may share only PostgreSQL/MLflow fixtures
+# Scopes of 25 s or more, longest first (seconds on 2 cores busy with other work too, 2026-12-03, e9b41be; the
+# README's suite on 2 workers): the workers take them first, then the rest in collection order, so no long scope
+# starts last and leaves the other workers idle at the end.
+LONG_SCOPES = {"local-ray": 517, "tests/test_search.py": 286, "tests/test_benchmark.py": 199,
+               "tests/test_team_stack.py": 187, "tests/test_cluster.py": 182, "tests/test_search_confirm.py": 171,
+               "tests/test_tracking_outage.py": 150, "tests/test_fast_path.py": 141, "tests/test_bad_inputs.py": 122,
+               "tests/test_end_to_end.py": 121, "tests/test_search_resume.py": 112, "tests/test_compile_ahead.py": 97,
+               "tests/test_data_parallel.py": 89, "tests/test_search_ddp.py": 64, "tests/test_cli.py": 62,
+               "tests/test_bn_relu_pair.py": 62, "tests/test_stored_grad.py": 51, "tests/test_data.py": 47,
+               "tests/test_trainer.py": 47, "tests/test_compile_lock.py": 47, "tests/test_imagenet_benchmark.py": 43,
+               "tests/test_search_asha.py": 40, "tests/test_search_summary.py": 33, "tests/test_search_progress.py": 31,
+               "tests/test_fast_conv.py": 28, "tests/test_legacy_checkpoints.py": 28, "tests/test_wgrad_stream.py": 26}
 
 
 # The fast tier (`pytest -m "not slow"`, at most 2 minutes on 2 cores; README, "Development"): besides the tests marked
@@ -137,24 +148,20 @@ SLOW_TESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Keeps the rule above: a test that uses a shared service outside the ``services`` scope would run beside the
-    others on a second worker, with a second set of servers and a local Ray that may collide with theirs."""
+    """Marks SLOW_TESTS, refuses names in SLOW_TESTS or LOCAL_RAY_TESTS that match no test, and puts the long scopes
+    first on a worker."""
     for item in items:
         if any(part in item.nodeid for part in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     whole_files = not config.option.keyword and all("::" not in a for a in config.args)
     collected = {_stem(item.nodeid) + ".py" for item in items}
-    stale = [part for part in SLOW_TESTS if whole_files and part.partition("::")[0] in collected
-             and not any(part in item.nodeid for item in items)]
-    if stale:
-        raise pytest.UsageError(f"SLOW_TESTS in tests/conftest.py names tests that no longer exist: {', '.join(stale)}")
-        used = sorted(SHARED_SERVICES & set(getattr(item, "fixturenames", ())))
-        if used and xdist_scope(item.nodeid) != "services" and _stem(item.nodeid) not in OWN_NODES:
-            raise pytest.UsageError(f"{item.nodeid} uses the shared {', '.join(used)}: add its module to "
-                                    f"SERVICE_MODULES in tests/conftest.py")
+    for listed, names in (("SLOW_TESTS", SLOW_TESTS), ("LOCAL_RAY_TESTS", LOCAL_RAY_TESTS)):
+        stale = [part for part in names if whole_files and part.partition("::")[0] in collected
+                 and not any(part in item.nodeid for item in items)]
+        if stale:
+            raise pytest.UsageError(f"{listed} in tests/conftest.py names tests that no longer exist: {', '.join(stale)}")
     if os.environ.get("PYTEST_XDIST_WORKER"):   # xdist schedules by the workers' order: the long scopes first
-        rank = {scope: i for i, scope in enumerate(LONG_SCOPES)}
-        items.sort(key=lambda item: rank.get(xdist_scope(item.nodeid), len(rank)))
+        items.sort(key=lambda item: -LONG_SCOPES.get(xdist_scope(item.nodeid), 0))
 
 
 if importlib.util.find_spec("xdist"):
