@@ -36,8 +36,11 @@ fi
 if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2; exit 1
 fi
-# Two workers, a module whole on one, the tests that use the shared services one at a time (tests/conftest.py). Threads
-# waiting at an OpenMP barrier sleep instead of spinning: on 2 cores shared by two workers, spinning threads take
+# Four workers on CI's 2 cores, a module whole on one, the tests that start a local Ray one at a time
+# (tests/conftest.py). Most long tests wait on other processes (a search's driver, its trials, the servers), so
+# workers beyond the core count fill that time: the whole suite took 1590 s on 2 workers, 1166 s on 3, 1031 s on 4
+# (2 cores under other load, docs/journal/2026-12-03-suite.md). COWTUNE_TEST_WORKERS picks another count. Threads
+# waiting at an OpenMP barrier sleep instead of spinning: on 2 cores shared by the workers, spinning threads take
 # the core from the thread they wait for (a 67 s learning test took 615 s).
 export OMP_WAIT_POLICY=PASSIVE
-exec .venv/bin/python -m pytest -q -n 2 --dist loadscope --durations=30 "$@"
+exec .venv/bin/python -m pytest -q -n "${COWTUNE_TEST_WORKERS:-4}" --dist loadscope --durations=30 "$@"
