@@ -207,13 +207,17 @@ def _plan_wrn28_2_noise_more(epochs: int) -> dict[str, list[str]]:
     return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for name, sets in variants.items() for seed in (4, 5, 6, 7)}
 
 
+PROMOTED_WRN28_2 = Path(__file__).resolve().parents[1] / "docs" / "results" / "promoted-wrn28_2-cowmix-1000.yaml"
+
+
 def _plan_wrn28_2_steady_300(epochs: int) -> dict[str, list[str]]:
-    """Issue 53's last test: the search's leader ("steady", its trial 2 and best trial; 1.6 points ahead of the paper's
-    config over 11 paired 60-epoch runs) against the paper's recipe at the full 300 epochs, on the confirm stage's
-    seeds 1-3. Three runs fit one lease: ``--only paper_s1,steady_s1,paper_s2`` then the other three."""
+    """Issue 53's last test: the config the search promoted ("steady", its trial 2: 24.17 +- 1.46% against the
+    paper's 25.42 +- 2.79% over the confirm stage's 8 paired seeds at 60 epochs), read from its promoted YAML,
+    against the paper's recipe at the full 300 epochs, on the confirm stage's seeds 1-3. Three runs fit one lease:
+    ``--only paper_s1,steady_s1,paper_s2`` then the other three."""
     base = ["model=wrn28_2", *HOLDOUT, *_schedule(epochs), *FAST]
-    variants = {"paper": [], "steady": ["optim.warmup_epochs=5", "teacher.anneal=true", "mix.conf_thresh=0.8"]}
-    return {f"{name}_s{seed}": [*base, f"seed={seed}", *sets] for seed in (1, 2, 3) for name, sets in variants.items()}
+    variants = {"paper": [], "steady": [f"config={PROMOTED_WRN28_2}"]}
+    return {f"{name}_s{seed}": [*sets, *base, f"seed={seed}"] for seed in (1, 2, 3) for name, sets in variants.items()}
 
 
 PLANS = {"mix_gate": (_plan_mix_gate, 300), "ss96_300": (_plan_ss96_300, 300), "ss96_jpeg": (_plan_ss96_jpeg, 60),

@@ -81,7 +81,7 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
     else:
         best, config, chosen = _best_trial(client, parent, children, metric, search)
     config.get("train", {}).pop("threads", None)   # the trial's CPU share, not a property of the config
-    TrainConfig.from_dict(config)   # still valid with this code version
+    config = TrainConfig.from_dict(config).to_dict()   # still valid with this code version, in its layout
     name = model_name or search
     version = register_model(uri, best.info.run_id, name, alias, "checkpoint")
     info = {"search": search, "parent_run_id": parent.info.run_id, "run_id": best.info.run_id, **chosen,
