@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMOTED = ROOT / "docs" / "results" / "promoted-wrn28_2-cowmix-1000.yaml"
 STEADY = ["optim.warmup_epochs=5", "teacher.anneal=true", "mix.conf_thresh=0.8"]
 SEARCH = ["model=wrn28_2", "data.dataset=imagefolder", "data.n_val=5000", "data.eval_split=val", "data.n_labeled=1000",
-          "train.epochs=60", "optim.steps=[[24, 0.2], [48, 0.04]]", "train.tune_kernels=false"]
+          "train.epochs=60", "optim.steps=[[24, 0.2], [48, 0.04]]", "train.fast.tune_kernels=false"]
 
 
 def _rounded(cfg: TrainConfig) -> dict:

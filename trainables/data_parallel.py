@@ -57,7 +57,7 @@ class Replica:
 def build_replica(cfg: TrainConfig, rank: int, world: int, device: torch.device,
                   state: dict[str, Any] | None = None) -> Replica:
     """This worker's replica, from ``cfg.seed`` (every worker builds the same weights) or from ``state``: the
-    one-GPU runner (``trainer.build_runner``: the whole step in one CUDA graph where ``train.cuda_graph`` asks), whose
+    one-GPU runner (``trainer.build_runner``: the whole step in one CUDA graph where ``train.fast.cuda_graph`` asks), whose
     step averages the gradients over the workers before each update (``GradientMean``)."""
     check_batch_split(cfg, world)
     if device.type == "cuda":

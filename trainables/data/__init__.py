@@ -103,7 +103,7 @@ def prepare_data(cfg: "DataConfig", labeled_seed: int, device: torch.device,
     Args:
         cfg: the data config. labeled_seed: seed of the labeled subset (``TrainConfig.labeled_seed``).
         device: the training device; batches are returned there.
-        compiled: augment on the device under torch.compile (``train.compile``; None: on a GPU).
+        compiled: augment on the device under torch.compile (``train.fast.compile``; None: on a GPU).
     Raises:
         ConfigError naming the data.* field at fault (unknown dataset, missing files, bad sizes).
     """
