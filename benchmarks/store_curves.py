@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere: the repo's packages
 
-STAGE_TAG, CANDIDATE_TAG, SEED_TAG = "cowtune.stage", "cowtune.candidate", "cowtune.confirm_seed"
+CANDIDATE_TAG, SEED_TAG = "cowtune.candidate", "cowtune.confirm_seed"   # trainables.search.confirm's (it imports Ray)
 CURVES = ("val/error_teacher", "val/error_teacher_mean3")
 
 
@@ -38,17 +38,19 @@ def open_store(store: Path) -> Path:
 
 
 def runs_of(folder: Path, search: str) -> tuple[str, list[dict]]:
+    """The search's newest parent run and its runs (trials and confirm runs, less orphans), as ``cowtune promote``
+    finds them."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name(search)
-    if experiment is None:
-        raise SystemExit(f"no search {search!r} in {folder / 'mlflow.db'}")
-    runs = client.search_runs([experiment.experiment_id], max_results=10_000, order_by=["attributes.start_time ASC"])
-    parent = next((r for r in runs if "mlflow.parentRunId" not in r.data.tags), None)
+    from trainables.search import tracking
+    from trainables.search.promote import latest_parent
+
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment_id, parent = latest_parent(client, search)
     out = []
-    for r in runs:
-        if r is parent or not any(m in r.data.metrics for m in CURVES):
+    for r in sorted(tracking.child_runs(uri, experiment_id, parent.info.run_id), key=lambda r: r.info.start_time):
+        if not any(m in r.data.metrics for m in CURVES):
             continue
         curves = {}
         for metric in CURVES:
@@ -56,10 +58,10 @@ def runs_of(folder: Path, search: str) -> tuple[str, list[dict]]:
             curves[metric] = [round(m.value, 6) for m in history]
         tags = r.data.tags
         params = {k: v for k, v in r.data.params.items() if not k.startswith(("train.", "data."))}
-        out.append({"run_id": r.info.run_id, "name": r.info.run_name, "stage": tags.get(STAGE_TAG, "search"),
+        out.append({"run_id": r.info.run_id, "name": r.info.run_name, "stage": tags.get(tracking.STAGE_TAG, "search"),
                     "candidate": tags.get(CANDIDATE_TAG), "seed": tags.get(SEED_TAG, params.get("seed")),
                     "params": params, "epochs": len(curves[CURVES[0]]), "curves": curves})
-    return (parent.info.run_id if parent else ""), out
+    return parent.info.run_id, out
 
 
 def plot(record: dict, out: Path, names: dict[str, str]) -> None:

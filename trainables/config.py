@@ -265,6 +265,17 @@ FLAT_FAST_KEYS = ("precision", "channels_last", "compile", "compile_mode", "cuda
                   "realize_reads_threshold", "tune_kernels", "compile_masks_and_losses")
 
 
+def todays_key(key: str, switch: bool = False) -> str:
+    """A dotted config key of the layout before 2026-12-03 in today's spelling: ``train.compile`` (any of
+    ``FLAT_FAST_KEYS``) is ``train.fast.compile``, and ``train.fast`` given as a bool (``switch``) is
+    ``train.fast.enabled``; every other key as it is. For keys one at a time (``--set`` items, a search's recorded
+    parameters); ``upgrade_layout`` does the same to a whole mapping."""
+    if key == "train.fast" and switch:
+        return "train.fast.enabled"
+    name = key.removeprefix("train.")
+    return f"train.fast.{name}" if key.startswith("train.") and name in FLAT_FAST_KEYS else key
+
+
 def upgrade_layout(d: dict[str, Any]) -> dict[str, Any]:
     """A config's plain data in today's layout: the speed settings of the layout before 2026-12-03
     (``train.compile``, ``FLAT_FAST_KEYS``) moved into ``train.fast`` (``train.fast: false`` with them becomes

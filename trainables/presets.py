@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from trainables.config import FLAT_FAST_KEYS, TrainConfig
+from trainables.config import TrainConfig, todays_key
 from trainables.validation import ConfigError, set_dotted, unknown_name
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -102,11 +102,9 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         except (yaml.YAMLError, ValueError) as exc:
             raise ConfigError(f"--set {item!r}: the value does not parse as YAML or LO:HI: "
                               f"{yaml_problem(exc)}") from None
-        key = key.strip()
-        if key == "train.fast" and isinstance(parsed, bool):
-            key = "train.fast.enabled"   # the shorthand, beside other train.fast settings given before or after it
-        elif key.startswith("train.") and key[len("train."):] in FLAT_FAST_KEYS:
-            key = f"train.fast.{key[len('train.'):]}"   # the spelling before 2026-12-03, over a written config too
+        # train.fast=false is the shorthand of train.fast.enabled, beside other train.fast settings given before or
+        # after it; train.compile=... the spelling before 2026-12-03, read as today's over a written config too
+        key = todays_key(key.strip(), switch=isinstance(parsed, bool))
         train = d.get("train")
         if key.startswith("train.fast.") and isinstance(train, dict) and isinstance(train.get("fast"), bool):
             train["fast"] = {"enabled": train["fast"]}   # a file's `fast: false`, then --set train.fast.X

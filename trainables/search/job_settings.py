@@ -10,7 +10,7 @@ from typing import Any
 from mlflow.entities import Param
 from mlflow.tracking import MlflowClient
 
-from trainables.config import FLAT_FAST_KEYS
+from trainables.config import todays_key
 from trainables.file_locks import hold_job_lock
 from trainables.search import tracking
 from trainables.validation import ConfigError
@@ -107,17 +107,12 @@ def check_same_settings(exp_path: str, parent: Any, params: dict[str, str], tags
 
 
 def params_in_todays_layout(recorded: dict[str, str]) -> dict[str, str]:
-    """A job's recorded parameters with the config's speed settings of the layout before 2026-12-03
-    (``config.train.compile``, ...) named as today (``config.train.fast.compile``; the old ``config.train.fast``
-    switch becomes ``config.train.fast.enabled``), as ``trainables.config.upgrade_layout`` reads such a config: a
-    search recorded before the rename resumes with its own settings instead of differing in every speed key."""
-    moved = {f"config.train.{k}": f"config.train.fast.{k}" for k in FLAT_FAST_KEYS}
-    if not moved.keys() & recorded.keys():
-        return recorded
-    out = {moved.get(k, k): v for k, v in recorded.items() if k != "config.train.fast"}
-    if "config.train.fast" in recorded:
-        out["config.train.fast.enabled"] = recorded["config.train.fast"]
-    return out
+    """A job's recorded parameters with the config's keys in today's spelling (``config.train.compile`` of the
+    layout before 2026-12-03 is ``config.train.fast.compile``: ``trainables.config.todays_key``), so a search recorded
+    before the speed settings moved resumes with its own settings instead of differing in every speed key."""
+    prefix = "config."
+    return {prefix + todays_key(k[len(prefix):], switch=v in ("true", "false")) if k.startswith(prefix) else k: v
+            for k, v in recorded.items()}
 
 
 def log_params(uri: str, run_id: str, params: dict[str, str]) -> None:
