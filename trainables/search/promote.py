@@ -80,8 +80,8 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
                           "its finalists on fresh seeds, or pass --unconfirmed to promote its single best trial")
     else:
         best, config, chosen = _best_trial(client, parent, children, metric, search)
-    config.get("train", {}).pop("threads", None)   # the trial's CPU share, not a property of the config
     config = TrainConfig.from_dict(config).to_dict()   # still valid with this code version, in its layout
+    config.get("train", {}).pop("threads", None)   # the trial's CPU share, not a property of the config
     name = model_name or search
     version = register_model(uri, best.info.run_id, name, alias, "checkpoint")
     info = {"search": search, "parent_run_id": parent.info.run_id, "run_id": best.info.run_id, **chosen,
