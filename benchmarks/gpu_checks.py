@@ -23,8 +23,8 @@
 7. ``stored_grad_shakeshake``: the shake-shake model's gradients from one forward and backward pass, compiled in
    float32 and bf16, with each block's input gradient stored (the default) and recomputed, both against the eager
    float32 pass's: the store makes them no worse. (The losses checks above compare forward passes only.)
-8. ``check_losses_switched_on(variant)``: the losses check (1) with the class switches of step_ab's experiment
-   ``variant`` (``SWITCHED_ON``) on in the fast step; an experiment adds its entry to the table below.
+8. ``check_losses_switched(variant)``: the losses check (1) with the fast-path switches of step_ab's ``variant``
+   (``FAST_SWITCHES``, an experiment's turned on) in the fast runner; an experiment adds its entry to the table below.
    ``losses_shakeshake_96``: the losses check for the WRN-26 shake-shake 96x2d, whose step pairs the inner batch norms.
 9. ``bn_relu_pair``: the paired inner batch norms' backward kernels (``trainables.fast.bn_relu_pair``) at
    the shake-shake step's shapes against the PyTorch formula in float64; ``paired_grads_shakeshake``: the model's
@@ -74,12 +74,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_required import require_gpu  # noqa: E402
-from step_ab import BLOCK_SWITCHES, SWITCHED_ON, switched  # noqa: E402
+from step_ab import BLOCK_SWITCHES, variant_switches  # noqa: E402
 
 from trainables import metrics as M  # noqa: E402
 from trainables.config import TrainConfig  # noqa: E402
 from trainables.data import Batch, prepare_data  # noqa: E402
 from trainables.fast.model_swaps import speed_up_model  # noqa: E402
+from trainables.fast.switch import FastSwitches  # noqa: E402
 from trainables.fast.wgrad_stream import empty_conv_output  # noqa: E402
 from trainables.models import create_model  # noqa: E402
 from trainables.models.segmented_bn import batch_segments, convert_batch_norm, segmentable  # noqa: E402
@@ -111,21 +112,21 @@ def weights_of(r) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2", fast_switches=()) -> bool:
+def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2", switches: FastSwitches | None = None) -> bool:
     """One step of the compiled bf16 fast path and of the eager float32 plain path from the same weights on the same
-    batch: their losses within 3%; ``fast_switches`` (class switches) on while the fast runner steps."""
+    batch: their losses within 3%; ``switches``: the fast runner's fast-path switches (None: the defaults)."""
     device = torch.device("cuda")
     fast_cfg = config(model, precision="bf16", compile=True, conv_kernels=conv_kernels)
     plain_cfg = config(model, precision="fp32", compile=False, channels_last=False, stack_student_calls=False,
                        conv_kernels="cudnn")
     data = prepare_data(plain_cfg.data, 0, device)
-    runners = [build_runner(cfg, 10, device) for cfg in (plain_cfg, fast_cfg)]   # the same initial weights
+    # the same initial weights; the plain runner with the defaults
+    runners = [build_runner(plain_cfg, 10, device), build_runner(fast_cfg, 10, device, switches=switches)]
     batch = next(iter(data.train_batches(0, 0, 64, 1, False)))
     for model in (runners[0].student, runners[0].teacher):
         speed_up_model(model, **UNFOLDED)   # the plain step's teacher unfolded (read at each forward)
-    for r, on in zip(runners, ((), fast_switches)):  # the same weights, the same batch
-        with switched(on, on=True):   # the fast step with the class switches asked for
-            r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
+    for r in runners:  # the same weights, the same batch
+        r.step(batch, r.generator.manual_seed(1), 0.05, 0.97)
     plain, fast = (r.read_metrics() for r in runners)
     ok = True
     for key in (M.LOSS_SUP, M.LOSS_MIX, M.MIX_CONF_RATE):
@@ -135,10 +136,10 @@ def check_losses(conv_kernels: str = "triton", model: str = "wrn28_2", fast_swit
     return ok
 
 
-def check_losses_switched_on(variant: str, **kwargs) -> bool:
-    """``check_losses`` with the class switches of step_ab's experiment ``variant`` on in the fast step only (the
-    plain step's model may be built from the same classes, which would read a switch left on)."""
-    return check_losses(fast_switches=SWITCHED_ON[variant], **kwargs)
+def check_losses_switched(variant: str, **kwargs) -> bool:
+    """``check_losses`` with the fast-path switches of step_ab's ``variant`` (``step_ab.variant_switches``) in the
+    fast runner alone."""
+    return check_losses(switches=variant_switches(variant), **kwargs)
 
 
 def check_resume() -> bool:

@@ -8,11 +8,12 @@ With ``--serial`` every kernel runs on the main stream: the sum of their duratio
 one measured alone. With ``--kernel-bytes`` the models compile afresh, into an Inductor cache directory of their
 own, with Inductor's byte count in each kernel's code, and each kernel's bytes and bandwidth are printed too
 (``benchmarks/kernel_bytes.py``). ``--variant V`` profiles the step with the switches of step_ab.py's variant V
-turned on (an experiment) or off.
+turned on (an experiment) or off (its runner's own: ``step_ab.variant_switches``, ``build_variant_runner``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -27,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_bytes  # noqa: E402
 from kernel_breakdown import kernel_classes, print_classes  # noqa: E402
 from gpu_required import require_gpu  # noqa: E402
-from step_ab import (BLOCK_SWITCHES, BN_SWITCHES, REFERENCE_LAYOUT, SWITCHED_ON, SWITCHES,  # noqa: E402
-                     build_variant_runner, variant_switched)
+from step_ab import (BLOCK_SWITCHES, BN_SWITCHES, FAST_SWITCHES, REFERENCE_LAYOUT,  # noqa: E402
+                     build_variant_runner, variant_switches)
 from throughput import load_images, make_config  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast import wgrad_stream  # noqa: E402
-from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions  # noqa: E402
 
 
@@ -64,14 +64,13 @@ def main() -> int:
                    help="compile the models under Inductor's realize_reads_threshold N "
                         "(train.fast.realize_reads_threshold) instead of the model's own")
     p.add_argument("--variant",
-                   choices=sorted({*SWITCHED_ON, *SWITCHES, *BLOCK_SWITCHES, *BN_SWITCHES, *REFERENCE_LAYOUT}),
+                   choices=sorted({*FAST_SWITCHES, *BLOCK_SWITCHES, *BN_SWITCHES, *REFERENCE_LAYOUT}),
                    help="with the switches of this step_ab.py variant on (experiments) or off (defaults)")
     args = p.parse_args()
     if args.reads is not None and args.reads < 1:
         p.error(f"--reads: Inductor's realize_reads_threshold must be >= 1, got {args.reads}")
     require_gpu("profile_step.py")
-    with variant_switched(args.variant):
-        return profile(args)
+    return profile(args)
 
 
 def profile(args) -> int:
@@ -90,8 +89,9 @@ def profile(args) -> int:
     cfg = make_config(args.model, args.method, args.batch, "cuda", True, not args.no_compile, args.compile_mode,
                       args.cuda_graph, conv_kernels=args.conv_kernels, tune_kernels=False if args.untuned else None,
                       realize_reads_threshold=args.reads)
-    Switches.teacher_stream = not (args.no_teacher_stream or args.serial)   # read when the runner is built
-    runner = build_variant_runner(cfg, 10, device, args.variant)
+    switches = dataclasses.replace(variant_switches(args.variant),
+                                   teacher_stream=not (args.no_teacher_stream or args.serial))
+    runner = build_variant_runner(cfg, 10, device, args.variant, switches)
     data = DeviceData(raw, splits, True, 4, device)
     gen = runner.generator.manual_seed(0)
     it = iter(data.train_batches(0, 0, args.batch, 30 + args.steps, False))

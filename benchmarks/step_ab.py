@@ -15,12 +15,12 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             (DeviceData.chunk_steps 1) instead of 8 steps at once
     eager-aug  as wgrad-stream, with the augmentation run eagerly (DeviceData.compiled false) instead of
             under torch.compile
-    eager-ema  as wgrad-stream, with the teacher EMA run eagerly (Switches.compile_ema false) instead of
+    eager-ema  as wgrad-stream, with the teacher EMA run eagerly (FastSwitches.compile_ema false) instead of
             compiled
     no-priority  as wgrad-stream, with the step graph captured on a stream of the default priority
-            (StepGraph.priority false) instead of a high-priority one
+            (FastSwitches.capture_priority false) instead of a high-priority one
     one-update  as wgrad-stream, with the optimiser update and teacher EMA in one part after the weight-gradient
-            stream's join (Switches.update_in_parts false) instead of two around it
+            stream's join (FastSwitches.update_in_parts false) instead of two around it
     untuned  as wgrad-stream, without Inductor's coordinate-descent tuning of the models' kernels
             (train.fast.tune_kernels false)
     no-combo, combo  as wgrad-stream, compiled without or with Inductor's combo kernels
@@ -40,7 +40,7 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
     unstored-input-grads  as wgrad-stream, with the gradient at each shake-shake block's input recomputed in its
             readers (store_input_grad false) instead of stored once (trainables/fast/stored_grad.py)
     narrow-rows  as wgrad-stream, with the row kernels' switch narrowed to nn.Conv2d layers without bias
-            (TritonConv2d.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
+            (FastSwitches.same_and_biased false): the shake-shake WRN-26's stem and first block's 16 -> 96
             convolutions on cuDNN, the block's two first ones stacked
     inline-stats  as wgrad-stream, with the batch norms' running statistics and batch counts updated in small
             kernels of their own inside the stacked student call (defer_stats false, BN_SWITCHES) instead
@@ -53,8 +53,11 @@ variants in turn, so drift of the GPU's clocks and of the host falls on all of t
             whose backward is our own kernels (paired_inner_bn_relu false; trainables/fast/bn_relu_pair.py)
     inductor:KEY=VALUE[;KEY=VALUE]  as wgrad-stream, with the student and the teacher compiled under these Inductor
             options as well, over the trainer's own (``torch._inductor.config`` names, values as Python literals
-            of the option's type, no commas), for trying one of Inductor's settings before it becomes a field:
-            ``inductor:aggressive_fusion=True``
+            of the option's type, no commas; FastSwitches.extra_inductor_options), for trying one of Inductor's
+            settings before it becomes a field: ``inductor:aggressive_fusion=True``
+
+A variant's fast-path switches (``variant_switches``: a ``trainables.fast.switch.FastSwitches``) are its runner's
+own, passed to ``build_runner``; nothing is set on a class, so runners of several variants live side by side.
 
 ``--untuned`` turns Inductor's coordinate-descent tuning off in every variant (a shorter compile; the
 shake-shake model's tuned compile takes minutes).
@@ -88,11 +91,9 @@ from throughput import load_images, make_config, time_steps  # noqa: E402
 
 from trainables.data import DeviceData, make_splits  # noqa: E402
 from trainables.fast import conv_rows  # noqa: E402
-from trainables.fast.fast_conv import TritonConv2d  # noqa: E402
 from trainables.fast.model_swaps import speed_up_model  # noqa: E402
-from trainables.fast.step_graph import StepGraph  # noqa: E402
+from trainables.fast.switch import FastSwitches  # noqa: E402
 from trainables.models import MODELS  # noqa: E402
-from trainables.fast.switch import Switches  # noqa: E402
 from trainables.trainer import autotune_convolutions, build_runner  # noqa: E402
 
 READS = {f"reads-{n}": n for n in (2, 3, 4, 5, 6, 8)}
@@ -103,10 +104,14 @@ VARIANTS = ("cudnn", "triton", "sweep", "wgrad-stream", "aug-each-step", "eager-
 INDUCTOR_PREFIX = "inductor:"
 COMBO = {"no-combo": False, "combo": True}
 DEPENDENT_LAUNCH = {"no-pdl": False, "pdl": True}
-# variants that turn off some of the trainer's class switches (on by default)
-SWITCHES = {"eager-ema": ((Switches, "compile_ema"),), "one-update": ((Switches, "update_in_parts"),),
-            "no-priority": ((StepGraph, "priority"),),
-            "narrow-rows": ((TritonConv2d, "same_and_biased"),)}
+# variants that set some of the fast path's switches (FastSwitches fields) away from their defaults: those on in the
+# trainer turned off; an experiment (a field off by default) adds its variant here, and to VARIANTS, turning it on.
+# Once measured, each experiment either won its A/B run and is on by default, or was removed
+# (docs/journal/2026-11-26.md to 2026-11-28.md)
+FAST_SWITCHES: dict[str, dict[str, object]] = {"eager-ema": {"compile_ema": False},
+                                               "one-update": {"update_in_parts": False},
+                                               "no-priority": {"capture_priority": False},
+                                               "narrow-rows": {"same_and_biased": False}}
 # variants that turn off some of the fast shake-shake blocks' switches (trainables.fast.model_swaps.ShakeShakeSwitches,
 # all on in the trainer): set on the built runner's student and teacher (``blocks_switched``)
 BLOCK_SWITCHES = {"two-first-convs": {"one_first_conv": False}, "reference-convs": {"one_first_conv": False},
@@ -118,36 +123,14 @@ BN_SWITCHES = {"inline-stats": {"defer_stats": False}}
 # variants whose shake-shake models are built in the reference's layout (``reference_layout``)
 REFERENCE_LAYOUT = frozenset({"biased-bn-convs", "reference-convs"})
 SHAKE_SHAKE = ("wrn26_6_shakeshake", "wrn26_2_shakeshake", "wrn20_6_shakeshake")
-# variants that turn on class switches that are off by default (experiments: a switch on a class, off, and its variant
-# here and in VARIANTS; once measured, each either won its A/B run and is on by default, or was removed,
-# docs/journal/2026-11-26.md to 2026-11-28.md)
-SWITCHED_ON: dict[str, tuple[tuple[type, str], ...]] = {}
 
 
-@contextlib.contextmanager
-def switched(switches: tuple[tuple[type, str], ...] = (), on: bool = False):
-    """Within: the class attributes ``switches`` name set to ``on``; restored on leaving."""
-    saved = [getattr(owner, name) for owner, name in switches]
-    for owner, name in switches:
-        setattr(owner, name, on)
-    try:
-        yield
-    finally:
-        for (owner, name), value in zip(switches, saved):
-            setattr(owner, name, value)
-
-
-def switched_off(switches: tuple[tuple[type, str], ...] = ()):
-    """Within: the class attributes ``switches`` name set to False; restored on leaving."""
-    return switched(switches, on=False)
-
-
-@contextlib.contextmanager
-def variant_switched(variant: str | None):
-    """Within: the class switches ``variant`` changes set as it asks (those in ``SWITCHES`` off, those in
-    ``SWITCHED_ON`` on); restored on leaving. A variant without class switches (or None) changes nothing."""
-    with switched_off(SWITCHES.get(variant, ())), switched(SWITCHED_ON.get(variant, ()), on=True):
-        yield
+def variant_switches(variant: str | None) -> FastSwitches:
+    """The fast-path switches of ``variant``'s runner: ``FAST_SWITCHES``' entry, and an ``inductor:`` variant's
+    options (``inductor_options_of``); the defaults for any other variant (or None)."""
+    if variant is None:
+        return FastSwitches()
+    return FastSwitches(**FAST_SWITCHES.get(variant, {}), extra_inductor_options=inductor_options_of(variant))
 
 
 def inductor_options_of(variant: str) -> dict[str, object]:
@@ -178,12 +161,14 @@ def inductor_options_of(variant: str) -> dict[str, object]:
     return options
 
 
-def build_variant_runner(cfg, num_classes: int, device: torch.device, variant: str | None):
-    """``build_runner``'s runner for ``variant``'s models: built in the reference's layout where it asks
-    (``REFERENCE_LAYOUT``), its fast blocks switched as it asks (``BLOCK_SWITCHES``). Its class switches
-    (``variant_switched``) are the caller's to set around this and the first steps."""
+def build_variant_runner(cfg, num_classes: int, device: torch.device, variant: str | None,
+                         switches: FastSwitches | None = None):
+    """``build_runner``'s runner for ``variant``'s models, with its fast-path switches (``variant_switches``, or
+    ``switches`` where given): built in the reference's layout where it asks (``REFERENCE_LAYOUT``), its fast blocks
+    switched as it asks (``BLOCK_SWITCHES``)."""
+    switches = variant_switches(variant) if switches is None else switches
     with reference_layout(variant in REFERENCE_LAYOUT):
-        runner = build_runner(cfg, num_classes, device)
+        runner = build_runner(cfg, num_classes, device, switches=switches)
     blocks_switched(runner, variant)
     return runner
 
@@ -209,18 +194,6 @@ def reference_layout(on: bool):
         yield
     finally:
         MODELS.update(saved)
-
-
-@contextlib.contextmanager
-def inductor_options_added(extra: dict[str, object]):
-    """Within: every model compiled by a StepRunner built here gets ``extra`` among its Inductor options, over the
-    trainer's own (Switches.extra_inductor_options, and so in its compile key)."""
-    saved = Switches.extra_inductor_options
-    Switches.extra_inductor_options = dict(extra)
-    try:
-        yield
-    finally:
-        Switches.extra_inductor_options = saved
 
 
 def rows_configs_from(paths: list[Path]) -> dict[tuple[str, int, int, int, int, int], dict]:
@@ -304,12 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         source = {"aug-each-step": data_each_step, "eager-aug": data_eager_aug}.get(v, data)
         batches = iter(source.train_batches(0, 0, args.batch, total, False))
         t0 = time.perf_counter()
-        # read when the runner is built and when its step is captured
-        with variant_switched(v), inductor_options_added(inductor_options_of(v)):
-            runner = build_variant_runner(cfg, len(raw.class_names), device, v)
-            gen = runner.generator.manual_seed(0)
-            for _ in range(args.warmup):   # compile, capture
-                runner.step(next(batches), gen, 0.05, 0.97)
+        runner = build_variant_runner(cfg, len(raw.class_names), device, v)
+        gen = runner.generator.manual_seed(0)
+        for _ in range(args.warmup):   # compile, capture
+            runner.step(next(batches), gen, 0.05, 0.97)
         runner.read_metrics()
         print(f"  {v}: built and captured in {time.perf_counter() - t0:.1f} s", flush=True)
         runners[v] = (runner, gen, batches)

@@ -114,17 +114,19 @@ def test_step_ab_tiny_cpu(tmp_path):
 
 
 def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
-    """Each step_ab variant that turns a class switch off names one that is on by default, and each that turns one on
-    names one that is off: a default flipped without changing its variant would make the variant measure the
-    defaults."""
+    """Each step_ab variant of ``FAST_SWITCHES`` sets fast-path switches away from their defaults (those on in the
+    trainer off, an experiment's on): a default flipped without changing its variant would make the variant measure
+    the defaults."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import step_ab
 
-    for table, default in ((step_ab.SWITCHES, True), (step_ab.SWITCHED_ON, False)):
-        for variant, switches in table.items():
-            assert variant in step_ab.VARIANTS, variant
-            for owner, name in switches:
-                assert getattr(owner, name) is default, (variant, owner.__name__, name)
+    from trainables.fast.switch import FastSwitches
+
+    defaults = FastSwitches()
+    for variant, switches in step_ab.FAST_SWITCHES.items():
+        assert variant in step_ab.VARIANTS and switches, variant
+        for name, value in switches.items():
+            assert value != getattr(defaults, name), (variant, name)
     # the fast shake-shake blocks' switches, on by default: each variant turns one off
     from trainables.fast.model_swaps import ShakeShakeSwitches
 
@@ -134,34 +136,35 @@ def test_step_ab_variants_switch_away_from_the_defaults(monkeypatch):
     assert step_ab.BLOCK_SWITCHES["unstored-input-grads"] == {"store_input_grad": False}
 
 
-def test_step_ab_variant_turns_its_switch_on_while_building_and_capturing(tmp_path, monkeypatch):
-    """A variant of ``SWITCHED_ON`` (an experiment) builds its runner and runs its warm-up (compile, capture) steps
-    with its switch on, and the defaults' variant with it off; the switch is off again afterwards. (One stands in for
-    the experiments, which need the models that have their switches, as an experiment adds itself.)"""
+def test_step_ab_builds_each_variants_runner_with_its_switches(tmp_path, monkeypatch):
+    """Each variant's runner is built with its own fast-path switches (``variant_switches``: ``FAST_SWITCHES``' entry,
+    an experiment's as one adds itself, or the defaults), passed to ``build_runner``: nothing is set on a class, so
+    the defaults' runner built after a variant's has the defaults."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.chdir(tmp_path)
     import step_ab
 
-    class Experiment:
-        on = False
+    from trainables.fast.switch import FastSwitches
 
-    _add_experiment(monkeypatch, step_ab, "experiment", ((Experiment, "on"),))
-    seen: list[tuple[str, bool]] = []
+    _add_experiment(monkeypatch, step_ab, "experiment", {"teacher_stream": False})
+    seen: list[FastSwitches] = []
     build = step_ab.build_runner
 
     def recording_build(*args, **kwargs):
         runner = build(*args, **kwargs)
-        seen.append(("build", Experiment.on))
-        step = runner.step
-        runner.step = lambda *a, **k: seen.append(("step", Experiment.on)) or step(*a, **k)
+        seen.append(runner.fast.switches)
         return runner
 
     monkeypatch.setattr(step_ab, "build_runner", recording_build)
-    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", "wgrad-stream,experiment"]) == 0
-    # tiny: one warm-up step each, then one round (time_steps calls runner.step outside the switch)
-    assert seen[:2] == [("build", False), ("step", False)]
-    assert ("build", True) in seen and seen[seen.index(("build", True)) + 1] == ("step", True)
-    assert Experiment.on is False
+    variants = "eager-ema,one-update,no-priority,narrow-rows,experiment,wgrad-stream"
+    assert step_ab.main(["--device", "cpu", "--tiny", "--variants", variants]) == 0
+    assert seen == [FastSwitches(compile_ema=False), FastSwitches(update_in_parts=False),
+                    FastSwitches(capture_priority=False), FastSwitches(same_and_biased=False),
+                    FastSwitches(teacher_stream=False), FastSwitches()]
+    assert set(step_ab.FAST_SWITCHES) == set(variants.split(",")[:-1])   # each of the table's variants was built
+    assert step_ab.variant_switches("inductor:aggressive_fusion=True") == \
+        FastSwitches(extra_inductor_options={"aggressive_fusion": True})
+    assert step_ab.variant_switches(None) == step_ab.variant_switches("cudnn") == FastSwitches()
 
 
 def test_step_ab_refuses_a_shake_shake_switch_for_another_model(monkeypatch, capsys):
@@ -243,7 +246,7 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
 
     from trainables.config import TrainConfig
     from trainables.data import Batch
-    from trainables.fast.switch import compile_key
+    from trainables.fast.switch import FastSwitches, compile_key
     from trainables.trainer import build_runner
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -276,8 +279,7 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
             torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
         for extra in ({}, {"aggressive_fusion": True, "realize_reads_threshold": 5}, {}):
             compiled.clear()
-            with step_ab.inductor_options_added(extra):
-                runner = build_runner(cfg, 10, torch.device("cpu"))
+            runner = build_runner(cfg, 10, torch.device("cpu"), switches=FastSwitches(extra_inductor_options=extra))
             models.append(([o for o in compiled if "realize_reads_threshold" in o], compile_key(runner, batch)))
     (plain, plain_key), (varied, varied_key), (after, after_key) = models
     assert len(plain) == len(varied) == 2   # student and teacher
@@ -287,25 +289,25 @@ def test_step_ab_compiles_an_inductor_variant_with_its_options(monkeypatch, caps
 
 
 def _add_experiment(monkeypatch, step_ab, name, switches):
-    """``name`` a step_ab variant that turns ``switches`` on, as an experiment adds itself."""
+    """``name`` a step_ab variant that sets ``switches`` (``FastSwitches`` fields), as an experiment adds itself."""
     monkeypatch.setattr(step_ab, "VARIANTS", (*step_ab.VARIANTS, name))
-    monkeypatch.setitem(step_ab.SWITCHED_ON, name, switches)
+    monkeypatch.setitem(step_ab.FAST_SWITCHES, name, switches)
 
 
-def test_gpu_checks_losses_switched_on_asks_for_the_switch_in_the_fast_step_only(monkeypatch):
-    """The losses check of an experiment passes its switches for the fast step alone (the plain step's model may be
-    built from the same classes, which would read a switch left on) and leaves the switch off."""
+def test_gpu_checks_losses_of_a_variant_give_its_switches_to_the_fast_runner(monkeypatch):
+    """The losses check of a step_ab variant (an experiment's, as one adds itself) passes the variant's fast-path
+    switches for the fast runner, which alone is built with them."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_checks
+    import step_ab
 
-    class Experiment:
-        on = False
+    from trainables.fast.switch import FastSwitches
 
-    monkeypatch.setitem(gpu_checks.SWITCHED_ON, "experiment", ((Experiment, "on"),))
+    _add_experiment(monkeypatch, step_ab, "experiment", {"teacher_stream": False})
     seen = []
-    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append((Experiment.on, kw)) or 1)
-    assert gpu_checks.check_losses_switched_on("experiment", model="wrn26_6_shakeshake") == 1
-    assert seen == [(False, {"fast_switches": ((Experiment, "on"),), "model": "wrn26_6_shakeshake"})]
+    monkeypatch.setattr(gpu_checks, "check_losses", lambda **kw: seen.append(kw) or 1)
+    assert gpu_checks.check_losses_switched("experiment", model="wrn26_6_shakeshake") == 1
+    assert seen == [{"switches": FastSwitches(teacher_stream=False), "model": "wrn26_6_shakeshake"}]
 
 
 def test_kernel_bytes_joins_a_trace_with_inductors_byte_counts(tmp_path, monkeypatch):

@@ -61,6 +61,9 @@ def test_setting_switches_only_on_the_gpus_the_table_was_measured_on(monkeypatch
     assert not any(type(m) is TritonConv2d for m in model.modules())
     assert apply_conv_kernels(model, "triton", "step", cuda) == 23
     assert sum(type(m) is TritonConv2d for m in model.modules()) == 23
+    shake = create_model("wrn26_6_shakeshake", 10)   # its stem has a bias, its first block's layers are SameConv2d
+    assert apply_conv_kernels(shake, "triton", "step", cuda, same_and_biased=False) == 0
+    assert apply_conv_kernels(shake, "triton", "step", cuda) == 4
 
 
 def test_switched_model_computes_the_same_forward_and_backward():
@@ -204,9 +207,10 @@ def test_a_kernel_the_gpu_cannot_run_falls_back_to_cudnn_once(monkeypatch):
     assert len(calls) == 1 and fast_conv._FELL_BACK == {("fprop", 2, 32, 32, 4, 8)}
 
 
-def test_switch_takes_biased_and_same_padded_layers(monkeypatch):
+def test_switch_takes_biased_and_same_padded_layers():
     """WRN-28-2's 23 layers; the shake-shake WRN-26's stem (with a bias) and its first block's three 16 -> 96
-    convolutions (``SameConv2d`` at stride 1), which keep their own methods; narrowed (for A/B timings), neither."""
+    convolutions (``SameConv2d`` at stride 1), which keep their own methods; narrowed (``same_and_biased`` false, for
+    A/B timings), neither, and the setting is the caller's: the next call with the default takes them again."""
     assert use_triton_convs(create_model("wrn28_2", 10)) == 23
     model = create_model("wrn26_6_shakeshake", 10)
     keys = list(model.state_dict())
@@ -227,9 +231,13 @@ def test_switch_takes_biased_and_same_padded_layers(monkeypatch):
             return super().forward(x) * 2
 
     assert not eligible(OwnForward(16, 32, 3))
-    monkeypatch.setattr(TritonConv2d, "same_and_biased", False)
-    assert use_triton_convs(create_model("wrn26_6_shakeshake", 10)) == 0
-    assert not eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=True))
+    assert use_triton_convs(create_model("wrn26_6_shakeshake", 10), same_and_biased=False) == 0
+    biased, same = nn.Conv2d(32, 32, 3, 1, 1, bias=True), SameConv2d(16, 32, 3)
+    assert not eligible(biased, same_and_biased=False) and not eligible(same, same_and_biased=False)
+    assert eligible(nn.Conv2d(32, 32, 3, 1, 1, bias=False), same_and_biased=False)   # nn.Conv2d without bias: both ways
+    assert eligible(biased) and eligible(same) and eligible(biased, same_and_biased=True)
+    assert use_triton_convs(create_model("wrn26_6_shakeshake", 10)) == 4
+    assert use_triton_convs(create_model("wrn28_2", 10), same_and_biased=False) == 23   # its layers have no bias
 
 
 @pytest.mark.parametrize("train, folded, rows", [(True, False, False), (True, False, True), (False, True, False),

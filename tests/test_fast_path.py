@@ -354,6 +354,69 @@ def test_train_fast_false_is_the_plain_step_and_names_a_fast_setting_beside_it(t
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def test_each_fast_switch_reaches_the_runner_it_is_built_with(monkeypatch):
+    """``build_runner(..., switches=...)``: each ``FastSwitches`` field set away from its default reaches the runner
+    built with it, where the defaults' runner reads the default: which convolutions the row kernels take, the
+    compiled EMA and the Inductor options, read here; the teacher stream, the capture's priority and the update in
+    two parts are read on a GPU, so for them the runner, made to look like a captured GPU step's, builds its
+    ``FastStep`` again (no GPU here: its streams, graph and update parts stood in for). Switches for the plain step
+    are refused."""
+    import torch._functorch.config as functorch
+    import torch._inductor.config as inductor
+
+    from trainables.fast import switch
+    from trainables.fast.switch import FastSwitches
+    from trainables.step import train_step
+    from trainables.trainer import build_runner
+
+    class Graph:   # the step graph's stand-in: what FastStep gives it
+        def __init__(self, device, priority=True):
+            self.priority, self.alpha = priority, None
+
+    apply = switch.apply_conv_kernels   # the student remembers what the row kernels were asked to take
+    monkeypatch.setattr(switch, "apply_conv_kernels",
+                        lambda student, *a: setattr(student, "asked_same_and_biased", a[-1]) or apply(student, *a))
+    for name, stand_in in (("side_stream_wanted", lambda *a: True), ("shared_stream", lambda device, role, p=0: role),
+                           ("StepGraph", Graph), ("split_update", lambda *a: ("early", "late")),
+                           ("on_device", lambda numbers, device: numbers)):
+        monkeypatch.setattr(switch, name, stand_in)
+
+    def as_on_a_gpu(r):   # the runner's FastStep as a captured CUDA step with the weight-gradient stream builds it
+        looks = copy.copy(r)
+        looks.device, looks.cuda_graph = torch.device("cuda"), "step"
+        return FastStep(train_step, looks, r.fast.switches)
+
+    reads = {"same_and_biased": lambda r: r.student.asked_same_and_biased,
+             "compile_ema": lambda r: r.fast.ema_compiled,
+             "extra_inductor_options": lambda r: [o.get("aggressive_fusion")
+                                                  for o in r.fast.inductor_options.values()],   # student, teacher
+             "teacher_stream": lambda r: as_on_a_gpu(r).teacher_stream,
+             "capture_priority": lambda r: as_on_a_gpu(r).step_graph.priority,
+             "update_in_parts": lambda r: as_on_a_gpu(r).update_parts is not None}
+    assert set(reads) == {f.name for f in dataclasses.fields(FastSwitches)}   # a new field: say here how it is read
+    cfg = TrainConfig.from_dict({"model": "cnn_tiny", "mix": {"name": "cowmix"},
+                                 "train": {"device": "cpu", "compile": True}})
+    custom_functions = {name: getattr(functorch, name) for name in ("autograd_cache_allow_custom_autograd_functions",)
+                        if hasattr(functorch, name)}   # set by the runner; absent in older PyTorch
+    with inductor.patch(realize_reads_threshold=inductor.realize_reads_threshold), \
+            functorch.patch(**custom_functions), \
+            torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        defaults = build_runner(cfg, 10, torch.device("cpu"))
+        assert defaults.fast.switches == FastSwitches()
+        assert {name: read(defaults) for name, read in reads.items()} == {
+            "same_and_biased": True, "compile_ema": True, "extra_inductor_options": [None, None],
+            "teacher_stream": "teacher", "capture_priority": True, "update_in_parts": True}
+        for name, read in reads.items():
+            switches = FastSwitches(**{name: {"aggressive_fusion": True} if name == "extra_inductor_options" else False})
+            r = build_runner(cfg, 10, torch.device("cpu"), switches=switches)
+            assert r.fast.switches == switches and read(r) != read(defaults), name
+            assert all(other(r) == other(defaults) for n, other in reads.items() if n != name), name
+    plain = TrainConfig.from_dict({"model": "cnn_tiny", "train": {"device": "cpu", "fast": False}})
+    assert build_runner(plain, 10, torch.device("cpu"), switches=FastSwitches()).fast is None
+    with pytest.raises(ValueError, match=r"switches \{'compile_ema': False\} given for a config whose train.fast.enabled"):
+        build_runner(plain, 10, torch.device("cpu"), switches=FastSwitches(compile_ema=False))
+
+
 # ----------------------------------------------------------------------------- the fast blocks against the plain ones
 
 def _outputs_and_grads(model, x, seed=1):

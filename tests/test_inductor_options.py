@@ -195,11 +195,25 @@ def test_every_graph_switch_of_segmented_batch_norm_is_in_the_compile_key():
     assert switches - {"one_pass_eager"} == {f.name for f in dataclasses.fields(BatchNormSwitches)}   # set per layer
 
 
-def test_every_switch_of_the_row_kernels_layer_is_in_the_compile_key():
-    """As above, for the row kernels' switch (it decides which layers run the operator, and whether a shake-shake
-    block's first convolutions are stacked)."""
-    from trainables.fast.fast_conv import TritonConv2d
-    from trainables.fast.compile_options import GRAPH_SWITCH_OWNERS
+def test_every_fast_switch_is_in_the_compile_key():
+    """As above, for the fast path's switches (``FastSwitches``: which layers the row kernels take, and whether a
+    shake-shake block's first convolutions are stacked; the EMA compiled or not; the Inductor options; the streams
+    and the update's parts): each, set away from its default when the runner is built, gives a key of its own, and
+    the defaults the key of a runner built without switches."""
+    import dataclasses
 
-    switches = {name for name, value in vars(TritonConv2d).items() if isinstance(value, bool)}
-    assert switches == set(TritonConv2d.COMPILE_KEY_SWITCHES) and TritonConv2d in GRAPH_SWITCH_OWNERS
+    from trainables.data import Batch
+    from trainables.fast.switch import FastSwitches, compile_key
+    from trainables.trainer import build_runner
+
+    cfg = TrainConfig.from_dict({"model": "wrn26_2_shakeshake", "train": {"compile": False}})
+    x = torch.zeros(2, 3, 32, 32)
+    batch = Batch(x, torch.zeros(2, dtype=torch.long), x, x)
+    default = compile_key(build_runner(cfg, 10, CPU), batch)
+    assert compile_key(build_runner(cfg, 10, CPU, switches=FastSwitches()), batch) == default
+    keys = {default}
+    fields = dataclasses.fields(FastSwitches)
+    for field in fields:
+        value = {"aggressive_fusion": True} if field.name == "extra_inductor_options" else not field.default
+        keys.add(compile_key(build_runner(cfg, 10, CPU, switches=FastSwitches(**{field.name: value})), batch))
+    assert len(keys) == 1 + len(fields)

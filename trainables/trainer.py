@@ -27,7 +27,7 @@ from trainables import checkpoints
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import TrainData, check_dataset, data_record, prepare_data, stream_seed
-from trainables.fast.switch import fast_path, gpu_identity, gpu_turn
+from trainables.fast.switch import FastSwitches, fast_path, gpu_identity, gpu_turn
 from trainables.file_locks import job_lock
 from trainables.legacy_checkpoints import upgrade_optimizer_state
 from trainables.models import check_model, create_model
@@ -222,12 +222,13 @@ def choose_convolutions(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def build_runner(cfg: TrainConfig, num_classes: int, device: torch.device,
-                 grad_sync: Callable[[nn.Module], None] | None = None) -> StepRunner:
+                 grad_sync: Callable[[nn.Module], None] | None = None,
+                 switches: FastSwitches | None = None) -> StepRunner:
     """Student (initialised from ``cfg.seed``), teacher, optimiser and the step that trains them: the plain step, made
     fast by ``FastStep`` unless ``train.fast.enabled`` is false (``grad_sync``: a data-parallel worker's,
-    ``StepRunner``'s)."""
+    ``StepRunner``'s; ``switches``: the fast path's A/B switches, a benchmark's, ``fast_path``'s)."""
     torch.manual_seed(cfg.seed)
-    fast = fast_path(cfg)   # None: the plain step
+    fast = fast_path(cfg, switches)   # None: the plain step
     student = create_model(cfg.model, num_classes).to(device)
     if fast is not None:
         fast.prepare_student(student, cfg, device)   # fast blocks, our convolution kernels, weight-gradient stream

@@ -1,7 +1,6 @@
 """How Inductor compiles a run's student, teacher and step glue: the options of each compile (combo kernels,
 programmatic dependent launch, the realize-reads threshold, coordinate-descent tuning, what the weight-gradient
-stream needs), the models each option was measured to pay for, and the classes whose switches are part of the
-first-compile key. None of it changes what a step computes.
+stream needs) and the models each option was measured to pay for. None of it changes what a step computes.
 """
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
-
-from trainables.fast.fast_conv import TritonConv2d
 
 if TYPE_CHECKING:
     from trainables.config import TrainConfig
@@ -44,12 +41,6 @@ DEPENDENT_LAUNCH_MODELS = frozenset({"wrn28_2"})
 # docs/journal/2026-11-27.md). Since then FastShakeShakeBlock.store_input_grad stores it at every block whatever the
 # threshold, and 4 still measured a little faster than 8 (26.4 against 26.2 steps/s, untuned).
 REALIZE_READS_BY_MODEL = MappingProxyType({"wrn26_6_shakeshake": 4, "wrn26_2_shakeshake": 4, "wrn20_6_shakeshake": 4})
-
-# Classes whose class switches (their COMPILE_KEY_SWITCHES) change a traced graph: part of the first-compile key (the
-# fast blocks' and the batch norms' switches are their own, and the key reads them from the student:
-# model_swaps.model_switches).
-GRAPH_SWITCH_OWNERS = (TritonConv2d,)
-
 
 def realize_reads_wanted(cfg: TrainConfig) -> int | None:
     """``train.fast.realize_reads_threshold``, or where it is None, the model's entry in ``REALIZE_READS_BY_MODEL``

@@ -21,6 +21,7 @@ H100, 137.2 -> 155.7 steps/s (docs/journal/2026-11-27.md).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -171,14 +172,6 @@ class TritonConv2d(nn.Conv2d):
     dtype; their gradients come back in their own dtype. A subclass of ``nn.Conv2d`` (the models' ``SameConv2d``
     at stride 1) is switched to a subclass of both (``wgrad_stream.switched_class``)."""
 
-    # also switch convolutions with a bias and the models' SameConv2d layers at stride 1: in the shake-shake WRN-26
-    # 96x2d its stem and its first block's 16 -> 96 convolutions, which then run one by one, not stacked (H200: 28.5 ->
-    # 28.7 steps/s, docs/journal/2026-11-28.md); in the 2x32d model, the stem and every stride-1 layer (32-128 channels:
-    # the WRN-28-2 kernels' shapes; not measured in its step); off: nn.Conv2d without bias only (for A/B timings);
-    # read when switching
-    same_and_biased = True
-    COMPILE_KEY_SWITCHES = ("same_and_biased",)   # those that change a compiled graph (trainables.step)
-
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -189,21 +182,23 @@ class TritonConv2d(nn.Conv2d):
 SWITCHED_CONVS.append(TritonConv2d)
 
 
-def _plain_convolution(m: nn.Module) -> bool:
-    """``nn.Conv2d`` itself without bias; with ``TritonConv2d.same_and_biased``, with a bias too, and the models'
-    ``SameConv2d`` (or a subclass that keeps its forward and convolution) at stride 1, whose "SAME" padding is then
-    the symmetric ``padding`` (``dynamic_pad`` False)."""
+def _plain_convolution(m: nn.Module, same_and_biased: bool) -> bool:
+    """``nn.Conv2d`` itself without bias; with ``same_and_biased``, with a bias too, and the models' ``SameConv2d`` (or
+    a subclass that keeps its forward and convolution) at stride 1, whose "SAME" padding is then the symmetric
+    ``padding`` (``dynamic_pad`` False)."""
     if type(m) is nn.Conv2d:
-        return m.bias is None or TritonConv2d.same_and_biased
-    if not TritonConv2d.same_and_biased:
+        return m.bias is None or same_and_biased
+    if not same_and_biased:
         return False
     return (isinstance(m, SameConv2d) and not m.dynamic_pad and type(m).forward is SameConv2d.forward
             and type(m)._conv_forward is nn.Conv2d._conv_forward)
 
 
-def eligible(m: nn.Module) -> bool:
-    """Whether ``m`` is a convolution the Triton kernels compute."""
-    return (_plain_convolution(m) and not isinstance(m, TritonConv2d) and m.kernel_size == (3, 3)
+def eligible(m: nn.Module, same_and_biased: bool = True) -> bool:
+    """Whether ``m`` is a convolution the Triton kernels compute: ``nn.Conv2d`` without bias, and with
+    ``same_and_biased`` (``switch.FastSwitches``, the trainer's default) also one with a bias and the models'
+    ``SameConv2d`` at stride 1."""
+    return (_plain_convolution(m, same_and_biased) and not isinstance(m, TritonConv2d) and m.kernel_size == (3, 3)
             and m.stride == (1, 1) and m.padding == (1, 1) and m.dilation == (1, 1) and m.groups == 1
             and m.padding_mode == "zeros"
             and (m.in_channels < 4 or not m.in_channels & (m.in_channels - 1))   # 1-3: an image's channels
@@ -217,21 +212,24 @@ def computes_on_rows(conv: nn.Module, x: Tensor) -> bool:
             and _table_config(_key("fprop", x.shape, x.shape[1], conv.out_channels)) is not None)
 
 
-def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device) -> int:
+def apply_conv_kernels(model: nn.Module, conv_kernels: str, cuda_graph: str, device: torch.device,
+                       same_and_biased: bool = True) -> int:
     """Switch ``model`` as ``train.fast.conv_kernels`` asks: to the Triton kernels when it says "triton", the model
     trains on a CUDA GPU of the compute capability their table was measured on (elsewhere the operator would
     only run cuDNN's or PyTorch's convolution) and each step is one CUDA graph (``cuda_graph`` "step": launched
     one by one, every Triton kernel pays its Python launcher; our earlier Triton convolutions ran a step without
-    the graph at 28-31 steps/s against cuDNN's 48-51 on an H100); returns how many layers."""
+    the graph at 28-31 steps/s against cuDNN's 48-51 on an H100); the layers ``eligible`` takes with
+    ``same_and_biased``; returns how many."""
     if conv_kernels != "triton" or cuda_graph != "step" or device.type != "cuda":
         return 0
     from trainables.fast.conv_rows import TUNED_CAPABILITY
 
     if torch.cuda.get_device_capability(device)[0] != TUNED_CAPABILITY:   # the one gate: the table holds
         return 0                                                           # no configurations for it
-    return use_triton_convs(model)
+    return use_triton_convs(model, same_and_biased)
 
 
-def use_triton_convs(model: nn.Module) -> int:
-    """Switch ``model``'s eligible convolutions to ``TritonConv2d``; returns how many were switched."""
-    return switch_convs(model, eligible, TritonConv2d)
+def use_triton_convs(model: nn.Module, same_and_biased: bool = True) -> int:
+    """Switch ``model``'s convolutions that ``eligible`` takes (with ``same_and_biased``) to ``TritonConv2d``; returns
+    how many were switched."""
+    return switch_convs(model, functools.partial(eligible, same_and_biased=same_and_biased), TritonConv2d)

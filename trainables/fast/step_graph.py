@@ -38,9 +38,8 @@ class StepGraph:
     """Captures and replays a step, ``body``, of the runner ``r`` (a ``trainables.step.StepRunner``) passed to each
     call: the graph keeps no reference to either, so a dropped runner frees the graph's memory pool at once."""
 
-    priority = True   # capture on a high-priority stream (off: the default priority, for A/B timings)
-
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, priority: bool = True):
+        self.priority = priority   # capture on a high-priority stream (off: the default priority, for A/B timings)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: Batch | None = None
         self.images: torch.Tensor | None = None   # the inputs' images, (views, B, C, H, W)

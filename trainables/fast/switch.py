@@ -2,8 +2,10 @@
 
 The core (``trainables.step``, ``trainables.trainer``) imports from ``trainables.fast`` only through this module:
 
-* ``fast_path(cfg)``: the one place that reads ``train.fast.enabled``: ``FAST_PATH`` when it is on, None for the
-  plain step. The trainer and ``trainables.evaluate`` enter the rest through what it gives:
+* ``fast_path(cfg, switches)``: the one place that reads ``train.fast.enabled``: ``FAST_PATH`` when it is on (made
+  with ``switches``, a ``FastSwitches``: the fast path's A/B switches, which benchmarks pass to
+  ``trainer.build_runner``; the trainer keeps their defaults), None for the plain step. The trainer and
+  ``trainables.evaluate`` enter the rest through what it gives:
 * ``prepare_student(student, cfg, device)``: the student's blocks switched to their fast variants (``model_swaps``),
   and its convolutions to our Triton kernels and to the weight-gradient stream, where ``train.fast.conv_kernels`` and
   ``train.fast.wgrad_stream`` ask for them;
@@ -27,15 +29,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from trainables.fast.compile_lock import first_compile_lock, operators_version, step_key
-from trainables.fast.compile_options import (GRAPH_SWITCH_OWNERS, allow_custom_functions_in_compile_cache,
-                                            combo_kernels_wanted, dependent_launch_wanted, inductor_options,
-                                            realize_reads_wanted, tune_kernels_wanted)
+from trainables.fast.compile_options import (allow_custom_functions_in_compile_cache, combo_kernels_wanted,
+                                            dependent_launch_wanted, inductor_options, realize_reads_wanted,
+                                            tune_kernels_wanted)
 from trainables.fast.cuda_streams import shared_stream
 from trainables.fast.device_numbers import draws_on_device, on_device
 from trainables.fast.fast_conv import apply_conv_kernels
@@ -52,38 +55,67 @@ if TYPE_CHECKING:
     from trainables.data import Batch
     from trainables.step import StepRunner
 
-__all__ = ["FAST_PATH", "FastPath", "FastStep", "Switches", "backward_on_side", "compile_key", "fast_path",
+__all__ = ["FAST_PATH", "FastPath", "FastStep", "FastSwitches", "backward_on_side", "compile_key", "fast_path",
            "gpu_identity", "gpu_turn", "prepare_student", "speed_up_model"]
 
 
-class Switches:
-    """Process-wide switches of the fast path, for A/B timings (``benchmarks/step_ab.py``); read by ``FastStep``."""
-    compile_ema = True   # the teacher EMA compiled with the glue (off: eager foreach calls)
-    update_in_parts = True   # a captured step with the weight-gradient stream updates in two parts (off: one)
-    teacher_stream = True   # the teacher on its own CUDA stream where it can be (off: on the step's stream)
-    # Inductor options applied last, over the trainer's own, to the student and teacher of each runner built while it
-    # is set (and so in their compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set it
-    extra_inductor_options: dict[str, object] = {}
+@dataclasses.dataclass(frozen=True)
+class FastSwitches:
+    """The fast path's A/B switches, one runner's (``fast_path(cfg, switches)``, ``trainer.build_runner``): the
+    defaults are the trainer's step; ``benchmarks/step_ab.py``'s variants turn one off to time it. Not in the config:
+    none of them changes what a step computes, nor is any meant to be tuned. Each is part of the first-compile key
+    (``compile_key``) where it differs from its default."""
+    compile_ema: bool = True   # the teacher EMA compiled with the glue (off: eager foreach calls)
+    update_in_parts: bool = True   # a captured step with the weight-gradient stream updates in two parts (off: one)
+    teacher_stream: bool = True   # the teacher on its own CUDA stream where it can be (off: on the step's stream)
+    capture_priority: bool = True   # the step graph captured on a high-priority stream (off: the default priority)
+    # also switch convolutions with a bias and the models' SameConv2d layers at stride 1 to the row kernels
+    # (``fast_conv.eligible``): in the shake-shake WRN-26 96x2d its stem and its first block's 16 -> 96 convolutions,
+    # which then run one by one, not stacked (H200: 28.5 -> 28.7 steps/s, docs/journal/2026-11-28.md); in the 2x32d
+    # model, the stem and every stride-1 layer (32-128 channels: the WRN-28-2 kernels' shapes; not measured in its
+    # step); off: nn.Conv2d without bias only
+    same_and_biased: bool = True
+    # Inductor options applied last, over the trainer's own, to the student's and the teacher's compile (and so in
+    # their compile key): empty in the trainer; benchmarks/step_ab.py's inductor: variants set them
+    extra_inductor_options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:   # a copy, read-only: the caller's dict may change, these may not
+        object.__setattr__(self, "extra_inductor_options", MappingProxyType(dict(self.extra_inductor_options)))
+
+    def changed(self) -> tuple[tuple[str, object], ...]:
+        """(name, value) of each switch that differs from its default, in field order (Inductor options sorted)."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if value != default:
+                out.append((f.name, sorted(value.items()) if isinstance(value, Mapping) else value))
+        return tuple(out)
 
 
-def prepare_student(student: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+DEFAULT_SWITCHES = FastSwitches()
+
+
+def prepare_student(student: nn.Module, cfg: TrainConfig, device: torch.device,
+                    switches: FastSwitches = DEFAULT_SWITCHES) -> None:
     """Switch the student's blocks to their fast variants, and its convolutions as ``train.fast.conv_kernels`` and
     ``train.fast.wgrad_stream`` ask (before it is copied into the teacher and given to the optimiser: the switched
-    modules keep their parameters)."""
+    modules keep their parameters); which convolutions the row kernels take, as ``switches.same_and_biased`` asks."""
     fast = cfg.train.fast
     speed_up_model(student)
-    apply_conv_kernels(student, fast.conv_kernels, fast.cuda_graph, device)
+    apply_conv_kernels(student, fast.conv_kernels, fast.cuda_graph, device, switches.same_and_biased)
     apply_wgrad_stream(student, fast.wgrad_stream, fast.cuda_graph, device)   # the other convolutions
 
 
 class FastStep:
-    """``train_step`` made fast for the runner ``r`` as ``r.cfg.train.fast`` asks on ``r.device``; called as
-    ``fast(r, batch, gen, lr, alpha)`` in place of the plain step. It keeps no reference to the runner (nor do its
-    kernels), so a dropped runner frees its captured graph's memory at once."""
+    """``train_step`` made fast for the runner ``r`` as ``r.cfg.train.fast`` asks on ``r.device``, with ``switches``;
+    called as ``fast(r, batch, gen, lr, alpha)`` in place of the plain step. It keeps no reference to the runner (nor
+    do its kernels), so a dropped runner frees its captured graph's memory at once."""
 
-    def __init__(self, train_step: Callable[..., None], r: StepRunner):
+    def __init__(self, train_step: Callable[..., None], r: StepRunner, switches: FastSwitches = DEFAULT_SWITCHES):
         cfg, fast, device = r.cfg, r.cfg.train.fast, r.device
         self.train_step = train_step
+        self.switches = switches
         compiled = fast.compile if fast.compile is not None else device.type == "cuda"
         mode = fast.compile_mode if device.type == "cuda" else "default"
         if r.cuda_graph != "model":  # torch.compile's own CUDA graphs cannot sit inside another capture
@@ -122,17 +154,17 @@ class FastStep:
         loss_terms = torch.compile(plain.loss_terms, dynamic=False) if glue else plain.loss_terms
         # The EMA over ~170 tensors: eagerly 6-7 foreach kernels, three passes over the teacher, at the very end of
         # the step; compiled, one pass (alpha and 1 - alpha as device scalars, so one compilation for every alpha)
-        self.ema_compiled = glue and Switches.compile_ema
+        self.ema_compiled = glue and switches.compile_ema
         ema = torch.compile(ema_update_, dynamic=False) if self.ema_compiled else ema_update_
         # The teacher's forward needs only the unperturbed batch: on its own CUDA stream it overlaps the
         # masks and the student's forward, and the main stream waits for it before the losses.
         # (Not under torch.compile's own CUDA graphs, which replay on their own stream.)
         self.teacher_stream = shared_stream(device, "teacher") \
-            if device.type == "cuda" and not self.graphs and Switches.teacher_stream else None
-        self.step_graph = StepGraph(device) if r.cuda_graph == "step" else None
+            if device.type == "cuda" and not self.graphs and switches.teacher_stream else None
+        self.step_graph = StepGraph(device, switches.capture_priority) if r.cuda_graph == "step" else None
         # (early, late) parts of the optimiser update and EMA, around the weight-gradient stream's join
         self.update_parts = split_update(r.optimizer, r.pairs, r.student) \
-            if Switches.update_in_parts and self.wgrad_stream and self.step_graph is not None and r.grad_sync is None \
+            if switches.update_in_parts and self.wgrad_stream and self.step_graph is not None and r.grad_sync is None \
             else None   # (an all-reduce needs every gradient before any update)
         teacher_kernel = functools.partial(teacher_logits, teacher, r.autocast, r.memory_format)
         if self.teacher_stream is not None:
@@ -160,7 +192,7 @@ class FastStep:
                 options["realize_reads_threshold"] = reads
             if device.type == "cuda" and tune_kernels_wanted(cfg):
                 options["coordinate_descent_tuning"] = True
-            options.update(Switches.extra_inductor_options)
+            options.update(self.switches.extra_inductor_options)
         return out
 
     def __call__(self, r: StepRunner, batch: Batch, gen: torch.Generator, lr: float, alpha: float) -> None:
@@ -187,16 +219,31 @@ class FastPath(NamedTuple):
     """What the core calls when ``train.fast`` is on (``fast_path``)."""
     prepare_student: Callable[[nn.Module, TrainConfig, torch.device], None]   # a student before its teacher is made
     prepare_model: Callable[[nn.Module], nn.Module]   # a model that only evaluates: its fast blocks
-    step: type[FastStep]   # the runner's ``fast``: the plain step made fast
+    step: Callable[[Callable[..., None], StepRunner], FastStep]   # the runner's ``fast``: the plain step made fast
 
 
 FAST_PATH = FastPath(prepare_student, speed_up_model, FastStep)
 
 
-def fast_path(cfg: TrainConfig) -> FastPath | None:
-    """``FAST_PATH`` when ``cfg.train.fast.enabled``, else None (the plain step: nothing of ``trainables.fast``
-    runs). The one place that reads it; the speed settings' values are read where they are used."""
-    return FAST_PATH if cfg.train.fast.enabled else None
+def fast_path(cfg: TrainConfig, switches: FastSwitches | None = None) -> FastPath | None:
+    """``FAST_PATH`` when ``cfg.train.fast.enabled`` (with ``switches`` other than the defaults: a ``FastPath`` that
+    prepares the student and makes the step with them), else None (the plain step: nothing of ``trainables.fast``
+    runs). The one place that reads it; the speed settings' values are read where they are used.
+
+    Raises:
+        ValueError: ``switches`` other than the defaults for a config with ``train.fast.enabled`` false, where they
+            would switch nothing.
+    """
+    switches = DEFAULT_SWITCHES if switches is None else switches
+    if not cfg.train.fast.enabled:
+        if switches != DEFAULT_SWITCHES:
+            raise ValueError(f"fast-path switches {dict(switches.changed())} given for a config whose "
+                             "train.fast.enabled is false: the plain step has none")
+        return None
+    if switches == DEFAULT_SWITCHES:
+        return FAST_PATH
+    return FastPath(functools.partial(prepare_student, switches=switches), speed_up_model,
+                    functools.partial(FastStep, switches=switches))
 
 
 def _draw_on_device(draw: Callable[..., dict[str, Any]], reg: Any, x: Tensor, gen: torch.Generator) -> dict[str, Any]:
@@ -270,4 +317,7 @@ def compile_key(r: StepRunner, batch: Batch) -> str:
                     r.memory_format, r.bf16, settings.conv_kernels, fast.wgrad_stream,
                     settings.compile_masks_and_losses, fast.ema_compiled, fast.update_parts is not None,
                     sorted(fast.inductor_options.get("student", {}).items()), model_switches(r.student),
-                    [[getattr(owner, s) for s in owner.COMPILE_KEY_SWITCHES] for owner in GRAPH_SWITCH_OWNERS])
+                    # [[same_and_biased]] as the key spelled it when that was a class switch, then every switch
+                    # that differs from its default: the defaults' key, and so the machine's first-compile markers,
+                    # stay as they were
+                    [[fast.switches.same_and_biased], *fast.switches.changed()])
