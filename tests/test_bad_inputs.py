@@ -993,7 +993,7 @@ def test_a_search_whose_storage_fills_up_ends_in_one_line_naming_it(tmp_path):
     env.update(COWTUNE_CACHE=str(tmp_path / CACHE), PYTHONUNBUFFERED="1")
     r = on_a_tmpfs(tmp_path / "full", "size=3m", [sys.executable, str(SCRIPT), "--smoke-test", "--trials", "2", "--no-confirm",
                                               "--no-compile-ahead", "--name", "fills", "--storage", "full/ray"],
-                   cwd=tmp_path, env=env, timeout=400)
+                   cwd=tmp_path, env=env, timeout=900)   # about 130 s alone, 300-450 s on 2 busy cores
     last = r.stderr.splitlines()[-1]
     assert r.returncode == 1 and last == (f"fills: error: --storage {tmp_path / 'full' / 'ray'} filled up (No space "
                                           "left on device): free space there and run the same command to resume"), last
