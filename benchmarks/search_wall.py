@@ -24,7 +24,7 @@ def run_search_timed(trials: int, epochs: int, data: str | None, model: str, tin
     from mlflow.tracking import MlflowClient
 
     from trainables import metrics as M
-    from trainables.search.tracking import PARENT_TAG, TRIAL_TAG
+    from trainables.search.mlflow_runs import PARENT_TAG, TRIAL_TAG
 
     work = Path(tempfile.mkdtemp(prefix="cowtune-search-bench-"))
     cmd = [sys.executable, str(ROOT / "search_spaces" / "cifar10_cowmix.py"), "--trials", str(trials),

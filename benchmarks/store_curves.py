@@ -42,14 +42,14 @@ def runs_of(folder: Path, search: str) -> tuple[str, list[dict]]:
     finds them."""
     from mlflow.tracking import MlflowClient
 
-    from trainables.search import tracking
+    from trainables.search import mlflow_runs
     from trainables.search.promote import latest_parent
 
     uri = f"sqlite:///{folder / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment_id, parent = latest_parent(client, search)
     out = []
-    for r in sorted(tracking.child_runs(uri, experiment_id, parent.info.run_id), key=lambda r: r.info.start_time):
+    for r in sorted(mlflow_runs.child_runs(uri, experiment_id, parent.info.run_id), key=lambda r: r.info.start_time):
         if not any(m in r.data.metrics for m in CURVES):
             continue
         curves = {}
@@ -58,7 +58,8 @@ def runs_of(folder: Path, search: str) -> tuple[str, list[dict]]:
             curves[metric] = [round(m.value, 6) for m in history]
         tags = r.data.tags
         params = {k: v for k, v in r.data.params.items() if not k.startswith(("train.", "data."))}
-        out.append({"run_id": r.info.run_id, "name": r.info.run_name, "stage": tags.get(tracking.STAGE_TAG, "search"),
+        out.append({"run_id": r.info.run_id, "name": r.info.run_name,
+                    "stage": tags.get(mlflow_runs.STAGE_TAG, "search"),
                     "candidate": tags.get(CANDIDATE_TAG), "seed": tags.get(SEED_TAG, params.get("seed")),
                     "params": params, "epochs": len(curves[CURVES[0]]), "curves": curves})
     return parent.info.run_id, out

@@ -30,7 +30,7 @@ def test_every_child_run_logs_each_range_as_numeric_lo_and_hi_params(tmp_path):
     MLflow's compare and parallel-coordinates views, besides the list as text."""
     from mlflow.tracking import MlflowClient
 
-    from trainables.search.trial_run import TrialRun
+    from trainables.search.mlflow_runs import TrialRun
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import PG_BIN, ROOT, run_search_script
-from trainables.search import tracking
+from trainables.search import mlflow_runs
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_killed_driver_resumes_without_losing_or_duplicating_trials(search_env, 
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert unsaved in {o.info.run_id for o in orphans} and f"MLflow run {unsaved} (trial unsaved0)" in out.stdout
     assert all(o.info.status == "KILLED" and "mlflow.parentRunId" in o.data.tags for o in orphans)
-    assert {c.info.run_id for c in tracking.child_runs(mlflow_server, exp.experiment_id, parent.info.run_id)} \
+    assert {c.info.run_id for c in mlflow_runs.child_runs(mlflow_server, exp.experiment_id, parent.info.run_id)} \
         == {c.info.run_id for c in children}                                   # what promote ranks
     assert len(children) == 4 and len({c.data.tags["ray.trial_id"] for c in children}) == 4
     for c in children:

@@ -134,7 +134,7 @@ def test_a_tree_copied_without_its_git_takes_its_commit_from_the_environment(tmp
     import trainables
     shutil.copytree(Path(trainables.__file__).parent, tmp_path / "trainables",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    ask = [sys.executable, "-c", "from trainables.search.tracking import git_sha; print(git_sha())"]
+    ask = [sys.executable, "-c", "from trainables.search.mlflow_runs import git_sha; print(git_sha())"]
     env = {k: v for k, v in os.environ.items() if k not in ("COWTUNE_COMMIT", "PYTHONPATH", "GIT_DIR")}
     env["GIT_CEILING_DIRECTORIES"] = str(tmp_path.parent)   # no repository above the copy either
     run = lambda extra: subprocess.run(ask, cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True,
@@ -143,9 +143,9 @@ def test_a_tree_copied_without_its_git_takes_its_commit_from_the_environment(tmp
     assert run({"COWTUNE_COMMIT": "a15b306"}) == "a15b306"
     here = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=Path(trainables.__file__).parent).stdout.strip()
-    from trainables.search import tracking
+    from trainables.search import mlflow_runs
     monkeypatch.setenv("COWTUNE_COMMIT", "a15b306")
-    assert len(here) == 40 and tracking.git_sha() == here   # in the repository itself git answers first
+    assert len(here) == 40 and mlflow_runs.git_sha() == here   # in the repository itself git answers first
 
 
 def test_a_store_moved_after_writing_reads_its_artifacts_beside_its_database(tmp_path):
@@ -153,14 +153,14 @@ def test_a_store_moved_after_writing_reads_its_artifacts_beside_its_database(tmp
     names the old artifact folder; cowtune reads the artifacts beside the database, or says what is missing."""
     import shutil
 
-    from trainables.search import tracking
+    from trainables.search import mlflow_runs
     from trainables.validation import ConfigError
 
     there = tmp_path / "device" / "s"
     there.mkdir(parents=True)
     uri = f"sqlite:///{there / 'mlflow.db'}"
     client = MlflowClient(uri)
-    run = client.create_run(tracking.ensure_experiment(uri, "moved", workdir=there))
+    run = client.create_run(mlflow_runs.ensure_experiment(uri, "moved", workdir=there))
     (tmp_path / "confirm.json").write_text('{"winner": "paper"}')
     client.log_artifact(run.info.run_id, str(tmp_path / "confirm.json"))
     here = tmp_path / "here"
@@ -168,7 +168,7 @@ def test_a_store_moved_after_writing_reads_its_artifacts_beside_its_database(tmp
     moved = MlflowClient(f"sqlite:///{here / 'mlflow.db'}")
     run = moved.get_run(run.info.run_id)
     assert str(there) in run.info.artifact_uri
-    assert tracking.read_artifact(moved, run, "confirm.json") == '{"winner": "paper"}'
+    assert mlflow_runs.read_artifact(moved, run, "confirm.json") == '{"winner": "paper"}'
     shutil.rmtree(here / "mlartifacts")
     with pytest.raises(ConfigError, match=r"artifact 'confirm.json' is not at .*mlartifacts/ folder\? Put it beside"):
-        tracking.read_artifact(moved, run, "confirm.json")
+        mlflow_runs.read_artifact(moved, run, "confirm.json")

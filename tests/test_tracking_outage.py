@@ -13,16 +13,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, free_port, start_mlflow_server, stop_group
-from trainables.search import outbox
-from trainables.search.tracking import ensure_experiment
-from trainables.search.trial_run import TrialRun
+from trainables.search import mlflow_runs
+from trainables.search.mlflow_runs import TrialRun, ensure_experiment
 
 pytestmark = pytest.mark.slow
 
 
 def test_records_wait_while_the_server_is_away_and_arrive_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv("COWTUNE_OUTBOX", str(tmp_path / "kept"))
-    monkeypatch.setattr(outbox, "RETRY_S", 0.0)   # try again at every record (a trial: at most every 15 s)
+    monkeypatch.setattr(mlflow_runs, "RETRY_S", 0.0)   # try again at every record (a trial: at most every 15 s)
     store, port = tmp_path / "server", free_port()
     store.mkdir()
     uri = f"http://127.0.0.1:{port}"
@@ -44,7 +43,7 @@ def test_records_wait_while_the_server_is_away_and_arrive_in_order(tmp_path, mon
         run.log_artifact(trial / "curve.png")
         (trial / "curve.png").write_bytes(b"changed after it was logged")
         assert time.monotonic() - t0 < 60                    # training waited seconds, not MLflow's minutes of retries
-        assert len(run.outbox.pending) == 3 and (trial / outbox.OUTBOX).exists()
+        assert len(run.outbox.pending) == 3 and (trial / mlflow_runs.OUTBOX).exists()
         assert sum("does not answer" in s for s in said) == 1    # said once, not at every record
 
         server = start_mlflow_server(store, port)             # it comes back: the next record delivers them all
@@ -55,20 +54,20 @@ def test_records_wait_while_the_server_is_away_and_arrive_in_order(tmp_path, mon
         assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0.9, 0.8, 0.7, 0.6]
         local = client.download_artifacts(run.run_id, "curve.png", str(tmp_path / "got"))
         assert open(local, "rb").read() == b"png"            # the file as it was when logged
-        assert not run.outbox.pending and not (trial / outbox.OUTBOX).exists()
+        assert not run.outbox.pending and not (trial / mlflow_runs.OUTBOX).exists()
         assert any("answers again" in s for s in said)
 
         stop_group(server)                                   # away again, and the trial ends before it returns
         run.log_epoch(5, {"val/error_teacher": 0.5, "epoch": 5})
         kept = run.finish("FINISHED")
-        assert kept is not None and kept.parent == tmp_path / "kept" and (kept / outbox.OUTBOX).exists()
+        assert kept is not None and kept.parent == tmp_path / "kept" and (kept / mlflow_runs.OUTBOX).exists()
         assert f"run `cowtune upload {kept.parent}` there" in said[-1]
 
         cmd = [sys.executable, "-m", "trainables.cli", "upload", str(kept.parent)]
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
         still = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert still.returncode == 1 and "0 trial runs delivered; 1 still wait" in still.stdout, still.stdout
-        assert (kept / outbox.OUTBOX).exists()               # nothing dropped while it is still away
+        assert (kept / mlflow_runs.OUTBOX).exists()               # nothing dropped while it is still away
 
         server = start_mlflow_server(store, port)
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -75,7 +75,7 @@ def _cmd_final(args: argparse.Namespace) -> int:
 
 
 def _cmd_upload(args: argparse.Namespace) -> int:
-    from trainables.search.outbox import OUTBOX, outbox_home, upload
+    from trainables.search.mlflow_runs import OUTBOX, outbox_home, upload
 
     root = Path(args.folder) if args.folder else outbox_home()
     if not root.is_dir() or not any(root.rglob(OUTBOX)):

@@ -27,13 +27,13 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
-from trainables.search import gate, interrupt, intervals, progress, tracking
+from trainables.search import gate, interrupt, intervals, mlflow_runs, progress
 from trainables.search.experiments import FinishChildRuns
 from trainables.search.gate import REFERENCE, Candidate
 from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
 from trainables.validation import flatten
 
-STAGE_TAG, CANDIDATE_TAG = tracking.STAGE_TAG, "cowtune.candidate"
+STAGE_TAG, CANDIDATE_TAG = mlflow_runs.STAGE_TAG, "cowtune.candidate"
 RECORD = "confirm.json"
 _dirname = lambda trial: f"confirm_{trial.trial_id}"   # noqa: E731 - not the config: long paths
 
@@ -48,7 +48,7 @@ def finalists(uri: str, experiment_id: str, parent_id: str, plan: Any, space: di
     best other full-budget search trials as (trial id, objective, config), best first; a trial whose searched
     values equal the paper's is the paper's."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no download bars in the console
-    children = [c for c in tracking.child_runs(uri, experiment_id, parent_id) if not is_confirm_run(c)]
+    children = [c for c in mlflow_runs.child_runs(uri, experiment_id, parent_id) if not is_confirm_run(c)]
     full = [c for c in children if objective in c.data.metrics and int(c.data.metrics.get(M.EPOCH, -1)) == plan.epochs]
     paper = flatten(plan.base)
     paths = [path for path, _ in intervals.leaves(space)]
@@ -59,10 +59,10 @@ def finalists(uri: str, experiment_id: str, parent_id: str, plan: Any, space: di
     for c in sorted((c for c in full if not is_paper(c)), key=lambda c: c.data.metrics[objective]):
         if len(out) == count:
             break
-        config = yaml.safe_load(tracking.read_artifact(client, c, "config.yaml"))
+        config = yaml.safe_load(mlflow_runs.read_artifact(client, c, "config.yaml"))
         if any(_same_config(config, o[2]) for o in out):   # the same config proposed twice
             continue
-        out.append((c.data.tags.get(tracking.TRIAL_TAG, c.info.run_id), c.data.metrics[objective], config))
+        out.append((c.data.tags.get(mlflow_runs.TRIAL_TAG, c.info.run_id), c.data.metrics[objective], config))
     return paper_value, out
 
 
@@ -162,7 +162,7 @@ def _train(plan: Any, args: Any, uri: str, experiment_id: str, parent_id: str, e
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0),
                                 args.gpu_share)
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "confirm",
-            "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
+            "git_sha": mlflow_runs.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
             "mean_of_last": candidates[0].window, "metric": metric}
     trainable = tune.with_resources(train_trial, resources)
     shown = [] if args.ray_output else [ConfirmProgress(plan.name, objective, "min", plan.epochs, [])]
@@ -246,7 +246,7 @@ def _typical_run(uri: str, experiment_id: str, parent_id: str, c: Candidate) -> 
         return None
     ordered = sorted(c.objective, key=lambda s: c.objective[s])
     seed = ordered[(len(ordered) - 1) // 2]
-    for r in tracking.child_runs(uri, experiment_id, parent_id):
+    for r in mlflow_runs.child_runs(uri, experiment_id, parent_id):
         if (is_confirm_run(r) and r.data.tags.get(CANDIDATE_TAG) == c.label
                 and r.data.tags.get("cowtune.confirm_seed") == str(seed)):
             return r.info.run_id

@@ -55,7 +55,7 @@ def _trial_run(info: dict[str, Any] | None, cfg: TrainConfig, data: Any) -> Any:
     """Rank 0 logs to the MLflow child run of the Tune trial that launched this data-parallel run."""
     if not info:
         return None
-    from trainables.search.trial_run import TrialRun
+    from trainables.search.mlflow_runs import TrialRun
     out = Path(tempfile.mkdtemp(prefix="cowtune-ddp-"))
     run = TrialRun(info["uri"], info["experiment_id"], info["parent_run_id"], info["trial_id"], info["trial_name"], out,
                    cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,

@@ -25,7 +25,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.search import compile_ahead
-from trainables.search import interrupt, outbox, progress, studies, summary, tracking
+from trainables.search import interrupt, mlflow_runs, progress, studies, summary
 from trainables.search.confirm import run_confirm
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.gate import Confirm
@@ -71,10 +71,10 @@ def run_search(base: Any, space: dict[str, Any], settings: SearchSettings, argv:
     except SystemExit:   # every trial failed: said in one line, the parent run already ended as FAILED
         raise
     except BaseException as exc:   # Ctrl-C, a Ray error: the parent run says so (the same command resumes, re-opens it)
-        if outbox.is_outage(exc):   # MLflow gone at the end: Ray holds every result, the trials' nodes their records
+        if mlflow_runs.is_outage(exc):   # MLflow gone at the end: Ray holds the results, the trials' nodes the records
             raise SystemExit(f"{plan.name}: error: MLflow at {uri} does not answer; results are in {exp_path}, records on"
                              " the trials' nodes: when it answers, run `cowtune upload` there (no summary recorded)") from None
-        tracking.finish_run(uri, parent_id, "FAILED")
+        mlflow_runs.finish_run(uri, parent_id, "FAILED")
         if "://" not in plan.storage and (full := disk_full(plan.storage)) is not None:   # Ray's errors said it
             raise SystemExit(f"{plan.name}: error: --storage {plan.storage} filled up ({full}): free space there and "
                              "run the same command to resume") from None
@@ -86,7 +86,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     resources = trial_resources(plan.base["model"], args.cpus_per_trial, ray.cluster_resources().get("GPU", 0),
                                 args.gpu_share)
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "search",
-            "git_sha": tracking.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
+            "git_sha": mlflow_runs.git_sha(), "cpus": args.cpus_per_trial, "gpu": resources.get("gpu", 0),
             "mean_of_last": settings.mean_of_last, "metric": settings.metric}
     objective = settings.objective
     trainable = tune.with_resources(train_trial, resources)
@@ -127,7 +127,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     if plan.confirm is not None and failed < len(results):   # before promotion: the finalists on fresh seeds
         run_confirm(plan, space, settings, args, uri, experiment_id, parent_id, exp_path)
         _stop_if_stopped(plan.name, uri, parent_id)
-    tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
+    mlflow_runs.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED",
                         {"cowtune.best_trial": best.metrics.get("trial_id", "") if best else "",
                          studies.ROUNDS_TAG: round_.index + 1, "cowtune.trials": plan.num_samples})
     if results and failed == len(results):   # nothing to compare or promote: one line and a failing exit status
@@ -144,7 +144,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
 def _stop_if_stopped(name: str, uri: str, parent_id: str) -> None:
     """Stopped by a signal (``interrupt``): parent run KILLED, Ray shut down (workers' last lines first), one line."""
     if (by := interrupt.stopped_by()) is not None:
-        tracking.finish_run(uri, parent_id, "KILLED")
+        mlflow_runs.finish_run(uri, parent_id, "KILLED")
         ray.shutdown()
         print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)
         raise SystemExit(143 if by == "SIGTERM" else 130)

@@ -15,8 +15,8 @@ from ray import tune
 
 from trainables import metrics as M
 from trainables.search.curves import CURVE_FILE, learning_curve_png
-from trainables.search import tracking
-from trainables.search.outbox import is_outage
+from trainables.search import mlflow_runs
+from trainables.search.mlflow_runs import is_outage
 from trainables.search.job_settings import experiment_path, log_params, setting_params
 from trainables.search.tune_trainable import META, REFUSED
 from trainables.validation import ConfigError
@@ -61,11 +61,11 @@ class FinishChildRuns(tune.Callback):
 
     def _finish(self, trial: Any, status: str) -> None:
         try:
-            run_id = tracking.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
+            run_id = mlflow_runs.find_trial_run(self.uri, self.experiment_id, self.parent_id, trial.trial_id)
             last = int(trial.last_result.get(M.EPOCH, 0))
             if run_id:
                 final_curve(self.uri, run_id)
-                tracking.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
+                mlflow_runs.finish_run(self.uri, run_id, status, {"cowtune.final_epoch": str(last),
                                                                "cowtune.stopped_early": str(last < self.full_epochs)})
         except Exception as exc:   # noqa: BLE001 - MLflow away: the trial's own outbox ends its run when it answers
             if not is_outage(exc):
@@ -86,7 +86,7 @@ def final_curve(uri: str, run_id: str) -> None:
         name, rows = epoch_rows(uri, run_id)
         if rows:
             with tempfile.TemporaryDirectory() as d:
-                tracking.log_run_artifact(uri, run_id, learning_curve_png(rows, Path(d) / CURVE_FILE, name))
+                mlflow_runs.log_run_artifact(uri, run_id, learning_curve_png(rows, Path(d) / CURVE_FILE, name))
     except Exception as e:   # noqa: BLE001 - a plot must never end a search
         warnings.warn(f"learning curve of MLflow run {run_id} not drawn: {type(e).__name__}: {e}", stacklevel=1)
 
@@ -120,14 +120,14 @@ def open_experiment(name: str, storage: str, tags: dict[str, str], settings: dic
     ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters,
     which ``job_settings.check_resumable`` compares: callers run it first, before any process starts.
     ``rounds``: a search's Ray experiments (``studies.Round``), this run's last; one parent run holds them all."""
-    uri = tracking.resolve_tracking_uri()
-    experiment_id = tracking.ensure_experiment(uri, name)
+    uri = mlflow_runs.resolve_tracking_uri()
+    experiment_id = mlflow_runs.ensure_experiment(uri, name)
     exp_path = experiment_path(name, storage)
     rounds = rounds or [exp_path]
     restoring = tune.Tuner.can_restore(rounds[-1])
-    parent = tracking.find_parent(uri, experiment_id, exp_path) if restoring or len(rounds) > 1 else None
+    parent = mlflow_runs.find_parent(uri, experiment_id, exp_path) if restoring or len(rounds) > 1 else None
     init_ray()
-    parent_id = tracking.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
+    parent_id = mlflow_runs.start_parent(uri, experiment_id, name, {**tags, "cowtune.experiment_path": exp_path},
                                       parent.info.run_id if parent is not None else None)
     if parent is None and settings:
         log_params(uri, parent_id, setting_params(settings))
@@ -142,9 +142,9 @@ def end_orphaned_runs(uri: str, experiment_id: str, parent_id: str, exp_paths: l
     one every 10 s or more), so Ray runs that slot again under a new trial id. Kept for the record; not a
     trial any more. The confirm stage's runs belong to its own Ray experiments (``trainables.search.confirm``)."""
     known = {t.trial_id for path in exp_paths for t in tune.ExperimentAnalysis(path).trials}
-    for r in tracking.child_runs(uri, experiment_id, parent_id):
-        if r.data.tags.get(tracking.TRIAL_TAG) not in known and tracking.STAGE_TAG not in r.data.tags:
+    for r in mlflow_runs.child_runs(uri, experiment_id, parent_id):
+        if r.data.tags.get(mlflow_runs.TRIAL_TAG) not in known and mlflow_runs.STAGE_TAG not in r.data.tags:
             why = "the driver died before Ray saved this trial; Ray runs its slot again as another trial"
-            tracking.finish_run(uri, r.info.run_id, "KILLED", {tracking.ORPHAN_TAG: why})
-            print(f"MLflow run {r.info.run_id} (trial {r.data.tags.get(tracking.TRIAL_TAG)}): {why}; ended as KILLED",
-                  flush=True)
+            mlflow_runs.finish_run(uri, r.info.run_id, "KILLED", {mlflow_runs.ORPHAN_TAG: why})
+            print(f"MLflow run {r.info.run_id} (trial {r.data.tags.get(mlflow_runs.TRIAL_TAG)}): {why}; "
+                  "ended as KILLED", flush=True)

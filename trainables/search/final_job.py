@@ -14,7 +14,7 @@ from ray import tune
 
 from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
-from trainables.search import interrupt, progress, tracking
+from trainables.search import interrupt, mlflow_runs, progress
 from trainables.search.confirm import ConfirmProgress
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
@@ -52,7 +52,7 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
         if not ddp_workers:   # told: checked above, before Ray
             check_batch_split(TrainConfig.from_dict(r["config"]), r["ddp_workers"])
     meta = {"uri": uri, "experiment_id": experiment_id, "parent_run_id": parent_id, "mode": "final",
-            "git_sha": tracking.git_sha(), "cpus": cpus_per_trial, "gpu": 0, "use_gpu": gpus > 0, "storage": storage}
+            "git_sha": mlflow_runs.git_sha(), "cpus": cpus_per_trial, "gpu": 0, "use_gpu": gpus > 0, "storage": storage}
 
     def resources(spec: dict[str, Any]) -> dict[str, float]:
         if spec[TRAIN_CONFIG]["ddp_workers"] > 1:
@@ -79,10 +79,10 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     try:
         results = tuner.fit()
     except BaseException:   # a second Ctrl-C, a Ray error: the parent run says so (the same command resumes it)
-        tracking.finish_run(uri, parent_id, "FAILED")
+        mlflow_runs.finish_run(uri, parent_id, "FAILED")
         raise
     if (by := interrupt.stopped_by()) is not None:   # Tune stopped the runs cleanly and saved its state
-        tracking.finish_run(uri, parent_id, "KILLED")
+        mlflow_runs.finish_run(uri, parent_id, "KILLED")
         ray.shutdown()
         print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)
         raise SystemExit(143 if by == "SIGTERM" else 130)
@@ -103,9 +103,9 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
     if records:
         path, table = save_table(Path(out_dir), records, method, notes)
         for artifact in (path, path.with_name("final_results.json")):
-            tracking.log_run_artifact(uri, parent_id, artifact)
+            mlflow_runs.log_run_artifact(uri, parent_id, artifact)
         print(table + f"\nsaved {path}", flush=True)
-    tracking.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED")
+    mlflow_runs.finish_run(uri, parent_id, "FAILED" if failed else "FINISHED")
     print(f"{len(records)}/{len(results)} runs finished" + (f"; {len(failed)} failed:\n" + "\n".join(failed)
                                                              if failed else ""), flush=True)
     return records, table, len(failed)

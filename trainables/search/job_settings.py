@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from trainables.config import todays_key
 from trainables.file_locks import hold_job_lock
-from trainables.search import tracking
+from trainables.search import mlflow_runs
 from trainables.validation import ConfigError
 
 
@@ -25,7 +25,7 @@ def check_tracking_server(uri: str | None = None, timeout: float = TRACKING_TIME
     import urllib.error
     import urllib.request
 
-    uri = uri or tracking.resolve_tracking_uri()
+    uri = uri or mlflow_runs.resolve_tracking_uri()
     if uri.startswith(("http://", "https://")):
         try:
             urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
@@ -59,12 +59,12 @@ def check_resumable(name: str, storage: str, tags: dict[str, str], settings: dic
     search whose study is in a database may ask for more trials than it ran)."""
     from ray import tune   # here: promote, which checks the tracking server with this module, never starts Ray
 
-    uri = tracking.resolve_tracking_uri()
+    uri = mlflow_runs.resolve_tracking_uri()
     experiment = MlflowClient(uri).get_experiment_by_name(name)
     exp_path = experiment_path(name, storage)
     if experiment is None or not tune.Tuner.can_restore(exp_path):
         return
-    parent = tracking.find_parent(uri, experiment.experiment_id, exp_path)
+    parent = mlflow_runs.find_parent(uri, experiment.experiment_id, exp_path)
     if parent is not None:
         grows = growable and int(settings.get(GROWS, 0)) > int(parent.data.params.get(GROWS, "0") or 0)
         check_same_settings(exp_path, parent, setting_params(settings), tags, ignore=(GROWS,) if grows else ())

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from trainables import metrics as M
 from trainables.search import confirm as stage
-from trainables.search import gate, tracking
+from trainables.search import gate, mlflow_runs
 from trainables.search.gate import REFERENCE, Candidate
 from trainables.validation import ConfigError, check
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "(without --no-confirm) first")
     objective, epochs = record["objective"], int(parent.data.tags["cowtune.epochs"])
     metric, window = _metric_and_window(record)
-    runs = [r for r in tracking.child_runs(uri, experiment_id, parent.info.run_id) if stage.is_confirm_run(r)]
+    runs = [r for r in mlflow_runs.child_runs(uri, experiment_id, parent.info.run_id) if stage.is_confirm_run(r)]
     candidates = [_candidate(client, row, runs, objective, metric, window, epochs) for row in record["rows"]]
     racing = [next(c for c in candidates if c.label == REFERENCE), *_chosen(candidates, args.only)]
     configs = {c.label: _config(client, runs, c.label) for c in racing}
@@ -141,4 +141,4 @@ def _chosen(candidates: list[Candidate], only: str | None) -> list[Candidate]:
 def _config(client: MlflowClient, runs: list[Any], label: str) -> dict[str, Any]:
     """A candidate's config, from one of its confirm runs (the seed is set per run)."""
     run = next(r for r in runs if r.data.tags.get(stage.CANDIDATE_TAG) == label)
-    return yaml.safe_load(tracking.read_artifact(client, run, "config.yaml"))
+    return yaml.safe_load(mlflow_runs.read_artifact(client, run, "config.yaml"))

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.search import tracking
+from trainables.search import mlflow_runs
 from trainables.search.job_settings import check_tracking_server
 from trainables.validation import ConfigError, writable_file
 
@@ -43,7 +43,7 @@ def latest_parent(client: MlflowClient, search: str) -> tuple[str, Any]:
         raise ConfigError(f"Unknown search '{search}' in {client.tracking_uri}. Known: {', '.join(sorted(names))}.")
     runs = client.search_runs([exp.experiment_id], filter_string="tags.`cowtune.search` != ''",
                               order_by=["attributes.start_time DESC"], max_results=50)
-    parents = [r for r in runs if tracking.PARENT_TAG not in r.data.tags]
+    parents = [r for r in runs if mlflow_runs.PARENT_TAG not in r.data.tags]
     if not parents:
         raise ConfigError(f"search '{search}' has no parent run in {client.tracking_uri}")
     return exp.experiment_id, parents[0]
@@ -53,7 +53,7 @@ def confirmed(client: MlflowClient, parent: Any) -> dict[str, Any] | None:
     """The confirm stage's record on a search's parent run (``confirm.json``), or None."""
     if not parent.data.tags.get("cowtune.confirm.winner"):
         return None
-    return json.loads(tracking.read_artifact(client, parent, "confirm.json"))
+    return json.loads(mlflow_runs.read_artifact(client, parent, "confirm.json"))
 
 
 def promote(search: str, out: str | Path, alias: str = "champion", model_name: str | None = None,
@@ -70,7 +70,7 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
     client = MlflowClient(uri)
     experiment_id, parent = latest_parent(client, search)
     metric = metric or parent.data.tags.get("cowtune.objective", M.VAL_ERROR_TEACHER)
-    children = tracking.child_runs(uri, experiment_id, parent.info.run_id)
+    children = mlflow_runs.child_runs(uri, experiment_id, parent.info.run_id)
     record = confirmed(client, parent)
     if record is not None:
         best, config, chosen = _confirmed_choice(client, record, search)
@@ -86,7 +86,7 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
     version = register_model(uri, best.info.run_id, name, alias, "checkpoint")
     info = {"search": search, "parent_run_id": parent.info.run_id, "run_id": best.info.run_id, **chosen,
             "model": f"models:/{name}@{alias}", "version": version,
-            "trials": sum(1 for c in children if tracking.STAGE_TAG not in c.data.tags)}
+            "trials": sum(1 for c in children if mlflow_runs.STAGE_TAG not in c.data.tags)}
     header = "".join(f"# {k}: {v}\n" for k, v in info.items())
     tmp_out = out.with_name(f".{out.name}.tmp")
     tmp_out.write_text(f"# Promoted by `cowtune promote`.\n{header}" + yaml.safe_dump(config, sort_keys=False))
@@ -117,11 +117,11 @@ def _best_trial(client: MlflowClient, parent: Any, children: list[Any], metric: 
     """--unconfirmed: the single best full-budget trial."""
     budget = int(parent.data.tags.get("cowtune.epochs", "0"))
     full = [c for c in children if metric in c.data.metrics and int(c.data.metrics.get(M.EPOCH, -1)) == budget
-            and tracking.STAGE_TAG not in c.data.tags]
+            and mlflow_runs.STAGE_TAG not in c.data.tags]
     if not full:
         raise ConfigError(f"no trial of search '{search}' (parent run {parent.info.run_id}) trained for its full "
                           f"budget of {budget} epochs; nothing to promote")
     best = min(full, key=lambda c: (c.data.metrics[metric], c.info.start_time))   # ties: the trial started first
-    config = yaml.safe_load(tracking.read_artifact(client, best, "config.yaml"))
-    return best, config, {"trial_id": best.data.tags.get(tracking.TRIAL_TAG, ""), metric: best.data.metrics[metric],
+    config = yaml.safe_load(mlflow_runs.read_artifact(client, best, "config.yaml"))
+    return best, config, {"trial_id": best.data.tags.get(mlflow_runs.TRIAL_TAG, ""), metric: best.data.metrics[metric],
                           "gate": "unconfirmed: one seed, partly luck", "trials_full_budget": len(full)}

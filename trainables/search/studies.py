@@ -26,7 +26,7 @@ from ray import tune
 from ray.tune.search.optuna import OptunaSearch
 
 from trainables import metrics as M
-from trainables.search import intervals, tracking
+from trainables.search import intervals, mlflow_runs
 from trainables.search.job_settings import experiment_path
 from trainables.validation import ConfigError
 
@@ -110,9 +110,9 @@ def next_round(name: str, storage_dir: str, trials: int, storage: optuna.storage
 
 
 def rounds_done(name: str, base: str) -> int:
-    uri = tracking.resolve_tracking_uri()
+    uri = mlflow_runs.resolve_tracking_uri()
     experiment = MlflowClient(uri).get_experiment_by_name(name)
-    parent = tracking.find_parent(uri, experiment.experiment_id, base) if experiment is not None else None
+    parent = mlflow_runs.find_parent(uri, experiment.experiment_id, base) if experiment is not None else None
     return int(parent.data.tags.get(ROUNDS_TAG, "0")) if parent is not None else 0
 
 

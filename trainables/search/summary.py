@@ -22,7 +22,7 @@ import optuna
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
-from trainables.search import intervals, tracking
+from trainables.search import intervals, mlflow_runs
 from trainables.validation import flatten
 
 PLOT_DIR = "optuna"
@@ -37,7 +37,7 @@ def ui_link(uri: str, experiment_id: str) -> str:
     the browser last used, and without it a new browser starts in the GenAI view), after `mlflow ui` for an
     embedded store."""
     page = f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-    if tracking.is_embedded(uri):
+    if mlflow_runs.is_embedded(uri):
         return f"`mlflow ui --backend-store-uri sqlite:///mlflow.db` at {UI}{page}"
     return f"{uri.rstrip('/')}{page}"
 

@@ -27,7 +27,7 @@ from trainables.search.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
 from trainables.gallery import config_gallery
 from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
-from trainables.search.trial_run import TrialRun
+from trainables.search.mlflow_runs import TrialRun
 from trainables.fast.compile_options import tune_kernels_by_default
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
