@@ -67,7 +67,7 @@ def test_kernels_tuned_unless_deterministic_or_in_a_search():
     more than a trial gains), in the worker process, not in the config: a promoted trial's config tunes."""
     import search_spaces.cifar10_cowmix as cowmix
     from trainables.fast.compile_options import tune_kernels_by_default, tune_kernels_wanted
-    from trainables.search.tune_trainable import train_trial
+    from trainables.search.trial import train_trial
 
     def with_train(**train):
         return TrainConfig.from_dict({"model": "wrn28_2", "train": train})

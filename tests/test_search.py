@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from conftest import BOX, ROOT, run_checked, run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.search.curves import learning_curve_png
+from trainables.search.trial import learning_curve_png
 
 pytestmark = pytest.mark.slow
 COWTUNE = [sys.executable, "-m", "trainables.cli"]

@@ -10,7 +10,7 @@ import torch
 from trainables.search import intervals
 from trainables.search.intervals import Choice, Float, Interval
 from trainables.search.settings import SearchSettings, parse_args, prepare_search
-from trainables.search.tune_trainable import HoldoutOnly, train_trial
+from trainables.search.trial import HoldoutOnly, train_trial
 from trainables.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

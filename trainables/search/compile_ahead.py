@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     from trainables.fast.compile_options import tune_kernels_by_default
 
-    tune_kernels_by_default(False)   # as the search's trials compile it (trainables.search.tune_trainable)
+    tune_kernels_by_default(False)   # as the search's trials compile it (trainables.search.trial)
     timings = compile_step(cfg)
     from trainables import metrics as M
 

@@ -30,7 +30,7 @@ from trainables import metrics as M
 from trainables.search import gate, interrupt, intervals, mlflow_runs, progress
 from trainables.search.experiments import FinishChildRuns
 from trainables.search.gate import REFERENCE, Candidate
-from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
+from trainables.search.trial import META, TRAIN_CONFIG, train_trial, trial_resources
 from trainables.validation import flatten
 
 STAGE_TAG, CANDIDATE_TAG = mlflow_runs.STAGE_TAG, "cowtune.candidate"

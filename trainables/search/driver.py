@@ -32,7 +32,7 @@ from trainables.search.gate import Confirm
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import (HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args,
                                        prepare_search)
-from trainables.search.tune_trainable import META, train_trial, trial_resources
+from trainables.search.trial import META, train_trial, trial_resources
 from trainables.validation import ConfigError, disk_full
 
 __all__ = ["Confirm", "HOLDOUT", "SearchSettings", "run_search"]

@@ -14,11 +14,11 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
-from trainables.search.curves import CURVE_FILE, learning_curve_png
+from trainables.search.trial import CURVE_FILE, learning_curve_png
 from trainables.search import mlflow_runs
 from trainables.search.mlflow_runs import is_outage
 from trainables.search.job_settings import experiment_path, log_params, setting_params
-from trainables.search.tune_trainable import META, REFUSED
+from trainables.search.trial import META, REFUSED
 from trainables.validation import ConfigError
 
 TUNE_CONTROLLER = "ray.tune.execution.tune_controller"   # logs "Trial task failed" with the traceback

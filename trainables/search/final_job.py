@@ -19,7 +19,7 @@ from trainables.search.confirm import ConfirmProgress
 from trainables.search.experiments import FinishChildRuns, open_experiment
 from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
 from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
-from trainables.search.tune_trainable import META, TRAIN_CONFIG, train_trial, trial_resources
+from trainables.search.trial import META, TRAIN_CONFIG, train_trial, trial_resources
 from trainables.validation import ConfigError, check
 
 

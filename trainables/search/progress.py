@@ -43,7 +43,7 @@ from ray import tune
 
 from trainables import metrics as M
 from trainables.search import interrupt, intervals
-from trainables.search.tune_trainable import META, REFUSED
+from trainables.search.trial import META, REFUSED
 
 # The trainer's routine lines, as tune_trainable prints them: "[<trial name>] <line>".
 TRAINER_LINES = r"^\[\w+_[0-9a-f]{5,8}(?:_\d{5})?\] (?:data: |model |  first step |  epoch |epoch )"

@@ -4,6 +4,15 @@
 parent run ids, mode, resources). Per epoch the trainable logs the metrics to the trial's MLflow child run (step =
 epoch, skipping epochs already there), then calls ``ray.tune.report(metrics, checkpoint=...)`` with the trial folder
 (``checkpoint.pt``, the MLflow run id); a retry or restore resumes from the latest, in the trial's own MLflow run.
+
+Data-parallel ``cowtune final`` runs: one Tune trial launches a Ray Train TorchTrainer over N workers (GPUs).
+
+Each worker runs ``trainables.data_parallel``: the same run as one GPU, its batch of ``train.batch_size`` split
+over the workers (batch-norm statistics per worker, the mix partner rolled within each worker's slice, the teacher
+identical everywhere). Rank 0 logs to the trial's MLflow run, writes the checkpoint and reports it; a restarted
+run resumes from it on every worker. Evaluation is sharded over the workers and summed.
+
+Learning curves of a run as a PNG (matplotlib, headless), for MLflow artifacts.
 """
 from __future__ import annotations
 
@@ -16,19 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import yaml
-import ray
 from ray import tune
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.search.curves import CURVE_FILE, learning_curve_png
 from trainables.data import TrainData, prepare_data
-from trainables.gallery import config_gallery
-from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
-from trainables.search.mlflow_runs import TrialRun
 from trainables.fast.compile_options import tune_kernels_by_default
+from trainables.gallery import config_gallery
+from trainables.search.mlflow_runs import TrialRun
+from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
@@ -82,8 +90,6 @@ def train_trial(config: dict[str, Any]) -> None:
     workers = config.get(TRAIN_CONFIG, {}).get("ddp_workers", 1)
     if workers > 1:   # ImageNet: data-parallel over the trial's GPUs with Ray Train; rank 0 reports and logs
         from ray.tune.integration.ray_train import TuneReportCallback
-
-        from trainables.search.ddp import fit_data_parallel
         fit_data_parallel(cfg, workers, meta.get("use_gpu", False), meta["storage"], f"{trial_name}-ddp",
                           callbacks=[TuneReportCallback()],
                           tracking={**meta, "trial_id": trial_id, "trial_name": trial_name, "workers": workers})
@@ -148,3 +154,97 @@ def train_trial(config: dict[str, Any]) -> None:
         raise
     run.finish("FINISHED")
     shutil.rmtree(out, ignore_errors=True)
+
+
+STATE = "state.pt"
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from ray import train as ray_train   # here, as in fit_data_parallel: a search's driver never loads Ray Train
+    from ray.train.torch import get_device
+
+    from trainables.data_parallel import build_replica, run_epoch, state_dict
+    cfg = TrainConfig.from_dict(config["train_config"])
+    ctx = ray_train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = get_device()
+    if device.type == "cpu" and cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    state = None
+    if checkpoint := ray_train.get_checkpoint():
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / STATE, map_location=device, weights_only=True)   # no code from the file
+    rep = build_replica(cfg, rank, world, device, state)
+    run = _trial_run(config.get("tracking"), cfg, rep.data) if rank == 0 else None
+    try:
+        for epoch in range(rep.start, cfg.train.epochs):
+            metrics = run_epoch(rep, epoch)
+            if run is not None:
+                run.log_epoch(epoch + 1, metrics)
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save(state_dict(rep, epoch + 1), Path(d) / STATE)
+                ray_train.report(metrics, checkpoint=ray_train.Checkpoint.from_directory(d) if rank == 0 else None)
+    finally:
+        rep.runner.release_graphs()   # Ray Train destroys the process group next: not while a graph holds NCCL
+    if run is not None:
+        run.finish("FINISHED")
+        shutil.rmtree(run.out_dir, ignore_errors=True)
+
+
+def _trial_run(info: dict[str, Any] | None, cfg: TrainConfig, data: Any) -> Any:
+    """Rank 0 logs to the MLflow child run of the Tune trial that launched this data-parallel run."""
+    if not info:
+        return None
+    from trainables.search.mlflow_runs import TrialRun
+    out = Path(tempfile.mkdtemp(prefix="cowtune-ddp-"))
+    run = TrialRun(info["uri"], info["experiment_id"], info["parent_run_id"], info["trial_id"], info["trial_name"], out,
+                   cfg.to_dict(), {"dataset": cfg.data.dataset, "n_labeled": str(cfg.data.n_labeled), "method": cfg.method,
+                                   "model": cfg.model, "seed": str(cfg.seed), "data_parallel.workers": str(info["workers"]),
+                                   "mlflow.source.git.commit": info.get("git_sha", "unknown"),
+                                   **{f"split.{k}": v for k, v in data.split_hashes.items()}})
+    run.out_dir = out
+    return run
+
+
+def fit_data_parallel(cfg: TrainConfig, num_workers: int, use_gpu: bool, storage_path: str, name: str,
+                      callbacks: list | None = None, tracking: dict[str, Any] | None = None) -> Any:
+    """Run ``cfg`` on ``num_workers`` Ray Train workers (one GPU each when ``use_gpu``); returns the Result.
+
+    Inside a Tune trial pass ``callbacks=[TuneReportCallback()]`` so rank 0's reports reach Tune, and
+    ``tracking`` (tracking URI, experiment, parent run, trial id/name) so rank 0 logs to the trial's MLflow run.
+    """
+    from ray import train as ray_train
+    from ray.train.torch import TorchTrainer
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config={"train_config": cfg.to_dict(), "tracking": tracking},
+        scaling_config=ray_train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=None if use_gpu else {"CPU": 1}),
+        run_config=ray_train.RunConfig(name=name, storage_path=storage_path, callbacks=callbacks or [],
+                                       failure_config=ray_train.FailureConfig(max_failures=2)),
+    )
+    return trainer.fit()
+
+
+CURVE_FILE = "learning_curve.png"
+
+
+def learning_curve_png(history: list[dict[str, float]], path: Path, title: str) -> Path:
+    """Every val/* and train/loss_* metric against the epoch, as a PNG (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_err, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.5))
+    epochs = [h["epoch"] for h in history]
+    for key in sorted(history[-1]):
+        ax = ax_err if key.startswith(("val/error", "test/error")) else ax_loss if "loss" in key else None
+        if ax is not None:
+            ax.plot(epochs, [h.get(key, float("nan")) for h in history], marker=".", label=key)
+    for ax, label in ((ax_err, "error"), (ax_loss, "loss")):
+        ax.set_xlabel("epoch"), ax.set_ylabel(label), ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
