@@ -184,7 +184,7 @@ def search_running_already(t: Ctx) -> list[str]:
     """Another process holds the search's lock, as a first driver does (tests/test_search.py)."""
     storage = t.tmp / "ray"
     storage.mkdir()
-    holder = lock_held_elsewhere(t, "from trainables.search.job_settings import lock_job; "
+    holder = lock_held_elsewhere(t, "from trainables.search.experiments import lock_job; "
                                     f"lock_job('dup', {str(storage)!r}, 'search')")
     t.expect.append(f"search dup in {storage} is running already (pid {holder.pid} on ")
     return ["--smoke-test", "--name", "dup", "--storage", str(storage)]

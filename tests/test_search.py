@@ -190,7 +190,7 @@ def test_a_second_driver_of_one_search_is_refused_naming_the_first(search_env, t
     storage = tmp_path / "ray"
     storage.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from trainables.search.job_settings import lock_job; "
+        "import sys, time; from trainables.search.experiments import lock_job; "
         f"lock_job('dup', {str(storage)!r}, 'search'); print('held', flush=True); time.sleep(120)")],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

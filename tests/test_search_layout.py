@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from trainables.config import TrainConfig
 from trainables.presets import load_config
-from trainables.search.job_settings import check_same_settings, params_in_todays_layout, setting_params
+from trainables.search.experiments import check_same_settings, params_in_todays_layout, setting_params
 from trainables.validation import ConfigError, flatten
 
 pytestmark = pytest.mark.slow   # an MLflow store's migrations: seconds on 2 cores

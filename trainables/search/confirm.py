@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from ray import tune
 
 from trainables import metrics as M
-from trainables.search import gate, interrupt, intervals, mlflow_runs, progress
+from trainables.search import experiments, gate, intervals, mlflow_runs, progress
 from trainables.search.experiments import FinishChildRuns
 from trainables.search.gate import REFERENCE, Candidate
 from trainables.search.trial import META, TRAIN_CONFIG, train_trial, trial_resources
@@ -225,7 +225,7 @@ class ConfirmProgress(progress.SearchProgress):
 
     def summary(self, trials: list) -> str:
         n = self.counts(trials)
-        if (by := interrupt.stopped_by()) is not None:   # Tune ends the runs it stops as terminated: count epochs
+        if (by := experiments.stopped_by()) is not None:   # Tune ends the runs it stops as terminated: count epochs
             done = sum(1 for t in trials if self.state(t) == "terminated" and self._epoch(t) >= (
                 self.full_epochs or t.config[TRAIN_CONFIG]["config"]["train"]["epochs"]))
             return f"{self.stage} {self.name} stopped by {by}: {done} of {len(trials)} runs finished"

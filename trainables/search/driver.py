@@ -25,11 +25,11 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.search import compile_ahead
-from trainables.search import interrupt, mlflow_runs, progress, studies, summary
+from trainables.search import experiments, mlflow_runs, progress, studies, summary
 from trainables.search.confirm import run_confirm
-from trainables.search.experiments import FinishChildRuns, open_experiment
+from trainables.search.experiments import (FinishChildRuns, check_resumable, check_tracking_server, lock_job,
+                                          open_experiment)
 from trainables.search.gate import Confirm
-from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.settings import (HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args,
                                        prepare_search)
 from trainables.search.trial import META, train_trial, trial_resources
@@ -114,7 +114,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
                                       callbacks=[FinishChildRuns(uri, experiment_id, parent_id, plan.epochs),
                                                  *progress.callbacks(args, settings, plan, space)]))
-    interrupt.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
+    experiments.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
     results = tuner.fit()
     _stop_if_stopped(plan.name, uri, parent_id)
     best = progress.best_result(results, objective, settings.mode)   # None: every trial failed, said below
@@ -143,7 +143,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
 
 def _stop_if_stopped(name: str, uri: str, parent_id: str) -> None:
     """Stopped by a signal (``interrupt``): parent run KILLED, Ray shut down (workers' last lines first), one line."""
-    if (by := interrupt.stopped_by()) is not None:
+    if (by := experiments.stopped_by()) is not None:
         mlflow_runs.finish_run(uri, parent_id, "KILLED")
         ray.shutdown()
         print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)

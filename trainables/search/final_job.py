@@ -14,11 +14,11 @@ from ray import tune
 
 from trainables.config import TrainConfig, check_batch_split
 from trainables.presets import yaml_problem
-from trainables.search import interrupt, mlflow_runs, progress
+from trainables.search import experiments, mlflow_runs, progress
 from trainables.search.confirm import ConfirmProgress
-from trainables.search.experiments import FinishChildRuns, open_experiment
+from trainables.search.experiments import (FinishChildRuns, check_resumable, check_tracking_server, lock_job,
+                                          open_experiment)
 from trainables.search.final import error_metric, final_configs, final_settings, provenance, save_table
-from trainables.search.job_settings import check_resumable, check_tracking_server, lock_job
 from trainables.search.trial import META, TRAIN_CONFIG, train_trial, trial_resources
 from trainables.validation import ConfigError, check
 
@@ -75,13 +75,13 @@ def run_final(config_path: str, datasets: dict[str, str], labels: list[int] | No
                                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
                                                      callbacks=[FinishChildRuns(uri, experiment_id, parent_id, 0),
                                                                 *shown]))
-    interrupt.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
+    experiments.stop_cleanly()   # after ray.init: SIGTERM as Ctrl-C, not Ray's stack dump
     try:
         results = tuner.fit()
     except BaseException:   # a second Ctrl-C, a Ray error: the parent run says so (the same command resumes it)
         mlflow_runs.finish_run(uri, parent_id, "FAILED")
         raise
-    if (by := interrupt.stopped_by()) is not None:   # Tune stopped the runs cleanly and saved its state
+    if (by := experiments.stopped_by()) is not None:   # Tune stopped the runs cleanly and saved its state
         mlflow_runs.finish_run(uri, parent_id, "KILLED")
         ray.shutdown()
         print(f"{name}: stopped by {by}; Ray saved its state: run the same command to resume", file=sys.stderr)

@@ -34,7 +34,7 @@ from trainables.validation import ConfigError, check
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from trainables.search.experiments import init_ray
-    from trainables.search.job_settings import check_tracking_server, lock_job
+    from trainables.search.experiments import check_tracking_server, lock_job
     from trainables.search.promote import confirmed, latest_parent
 
     check(args.seeds >= 3, "--seeds", "be at least 3 (seeds per config in all)", args.seeds)

@@ -42,7 +42,7 @@ from typing import Any
 from ray import tune
 
 from trainables import metrics as M
-from trainables.search import interrupt, intervals
+from trainables.search import experiments, intervals
 from trainables.search.trial import META, REFUSED
 
 # The trainer's routine lines, as tune_trainable prints them: "[<trial name>] <line>".
@@ -279,7 +279,7 @@ class SearchProgress(tune.Callback):
         print(self.summary(trials), flush=True)
         # Stopped by a signal: Tune's notes of it ("interrupted", trials without results) follow this hook, and the
         # driver then says it in one line and exits; its log filters stay on till then
-        kept = [u for u in self._undo if u[0] == "log"] if interrupt.stopped_by() is not None else []
+        kept = [u for u in self._undo if u[0] == "log"] if experiments.stopped_by() is not None else []
         unquiet([u for u in self._undo if u not in kept])
         self._undo = []
         restore_engine()
@@ -314,7 +314,7 @@ class SearchProgress(tune.Callback):
         if status == "TERMINATED":   # not ended through Tune's hooks: ASHA's stop, or a signal's (runs again)
             if self._epoch(trial) >= self.full_epochs:
                 return "terminated"
-            return "pending" if interrupt.stopped_by() is not None else "pruned"
+            return "pending" if experiments.stopped_by() is not None else "pruned"
         return status.lower()
 
     def _rank(self, trial: Any) -> tuple[float, int]:
@@ -387,7 +387,7 @@ class SearchProgress(tune.Callback):
     def summary(self, trials: list) -> str:
         n = self.counts(trials)
         unfinished = n["running"] + n["pending"]
-        by = f" by {interrupt.stopped_by()}" if interrupt.stopped_by() else ""
+        by = f" by {experiments.stopped_by()}" if experiments.stopped_by() else ""
         verb = f"stopped{by} with {unfinished} trials unfinished" if unfinished else "finished"
         best = self._best(trials)
         tail = ""

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.search import mlflow_runs
-from trainables.search.job_settings import check_tracking_server
+from trainables.search.experiments import check_tracking_server
 from trainables.validation import ConfigError, writable_file
 
 

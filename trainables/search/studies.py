@@ -27,7 +27,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from trainables import metrics as M
 from trainables.search import intervals, mlflow_runs
-from trainables.search.job_settings import experiment_path
+from trainables.search.experiments import experiment_path
 from trainables.validation import ConfigError
 
 ENV = "COWTUNE_OPTUNA_STORAGE"
