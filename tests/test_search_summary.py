@@ -1,4 +1,4 @@
-"""The search's MLflow parent run summary (trainables/search/summary.py) on a real Optuna study and a real MLflow
+"""The search's MLflow parent run summary (trainables/search/studies.py) on a real Optuna study and a real MLflow
 store: the best trial's error and searched values as metrics and tags, a Description, and the study's plots."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from trainables.search import intervals, summary
+from trainables.search import intervals, studies
 
 SPACE = {"mix": {"sigma_range": intervals.Interval(1.0, 32.0, log=True, min_width=1.5),
                  "weight": intervals.Float(1.0, 100.0, log=True)},
@@ -18,7 +18,7 @@ SPACE = {"mix": {"sigma_range": intervals.Interval(1.0, 32.0, log=True, min_widt
 
 
 def plan(name: str, trials: int) -> SimpleNamespace:
-    """What summary.record reads of a search's plan (trainables.search.settings.Plan)."""
+    """What studies.record reads of a search's plan (trainables.search.settings.Plan)."""
     return SimpleNamespace(name=name, epochs=30, grace=8, num_samples=trials)
 
 
@@ -47,9 +47,9 @@ def test_the_parent_run_carries_the_best_trial_a_description_and_the_study_plots
     exp = client.create_experiment("s", artifact_location=(tmp_path / "art").as_uri())
     parent = client.create_run(exp, run_name="s").info.run_id
     study = _study(4, pruned=2)
-    summary.record(uri, parent, study, SPACE, plan("s", 6), metric="val/error_teacher", round_index=0)
+    studies.record(uri, parent, study, SPACE, plan("s", 6), metric="val/error_teacher", round_index=0)
     run = client.get_run(parent)
-    best = summary.searched_values(SPACE, study.trials[0].params)
+    best = studies.searched_values(SPACE, study.trials[0].params)
     assert run.data.metrics["val/error_teacher"] == pytest.approx(0.2)
     assert run.data.metrics["best.mix.sigma_range.lo"] == pytest.approx(best["mix.sigma_range"][0])
     assert run.data.metrics["best.mix.sigma_range.hi"] == pytest.approx(best["mix.sigma_range"][1])
@@ -59,7 +59,7 @@ def test_the_parent_run_carries_the_best_trial_a_description_and_the_study_plots
     note = run.data.tags["mlflow.note.content"]
     assert "4 trained the whole budget, 2 stopped early by ASHA, 0 failed" in note
     assert "`mix.sigma_range`" in note and "cowtune promote --search s" in note
-    files = {a.path for a in client.list_artifacts(parent, summary.PLOT_DIR)}
+    files = {a.path for a in client.list_artifacts(parent, studies.PLOT_DIR)}
     assert files == {f"optuna/{f}" for f in ("history.png", "importances.png", "parallel_coordinates.png",
                                               "ranges.png")}
     local = client.download_artifacts(parent, "optuna/ranges.png", str(tmp_path))
@@ -71,17 +71,17 @@ def test_a_grown_search_logs_its_new_best_as_the_next_step(tmp_path):
     client = MlflowClient(uri)
     parent = client.create_run(client.create_experiment("g", artifact_location=(tmp_path / "a").as_uri())).info.run_id
     study = _study(2)
-    summary.record(uri, parent, study, SPACE, plan("g", 2), "val/error_teacher", 0)
+    studies.record(uri, parent, study, SPACE, plan("g", 2), "val/error_teacher", 0)
     better = study.trials[0]
     study.add_trial(optuna.trial.create_trial(params=better.params, distributions=better.distributions, value=0.05))
-    summary.record(uri, parent, study, SPACE, plan("g", 3), "val/error_teacher", 1)
+    studies.record(uri, parent, study, SPACE, plan("g", 3), "val/error_teacher", 1)
     history = client.get_metric_history(parent, "val/error_teacher")
     assert [(m.step, round(m.value, 4)) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.2), (1, 0.05)]
     assert "in 2 rounds" in client.get_run(parent).data.tags["mlflow.note.content"]
 
 
 def test_too_few_trials_still_give_the_plots_that_can_be_drawn(tmp_path):
-    drawn = {p.name for p in summary.plots(_study(1), SPACE, tmp_path)}
+    drawn = {p.name for p in studies.plots(_study(1), SPACE, tmp_path)}
     assert "history.png" in drawn and "ranges.png" in drawn   # importances need two complete trials
     assert not (tmp_path / "importances.png").exists() or "importances.png" in drawn
 
@@ -90,16 +90,16 @@ def test_a_study_with_no_finished_trial_records_counts_and_no_best(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     parent = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())).info.run_id
-    summary.record(uri, parent, optuna.create_study(), SPACE, plan("e", 2), "val/error_teacher", 0)
+    studies.record(uri, parent, optuna.create_study(), SPACE, plan("e", 2), "val/error_teacher", 0)
     run = client.get_run(parent)
     assert run.data.metrics["search.trials_complete"] == 0 and "val/error_teacher" not in run.data.metrics
     assert "**Best**" not in run.data.tags["mlflow.note.content"]
 
 
 def test_the_search_points_at_its_experiment_in_the_model_training_view():
-    assert summary.ui_link("http://127.0.0.1:5000/", "3") == \
+    assert studies.ui_link("http://127.0.0.1:5000/", "3") == \
         "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
-    assert summary.ui_link("sqlite:////tmp/x/mlflow.db", "1") == ("`mlflow ui --backend-store-uri sqlite:///mlflow.db` "
+    assert studies.ui_link("sqlite:////tmp/x/mlflow.db", "1") == ("`mlflow ui --backend-store-uri sqlite:///mlflow.db` "
                                                                   "at http://127.0.0.1:5000/#/experiments/1/runs"
                                                                   "?workflowType=machine_learning")
 
@@ -116,7 +116,7 @@ def test_the_link_opens_the_runs_table_in_a_new_browser(mlflow_server, tmp_path)
     experiment_id = client.create_experiment(f"ui-link-{tmp_path.name}")
     client.create_run(experiment_id, run_name="the-parent-run")
     with ui_screens.browser_page(mlflow_server) as page:
-        ui_screens.goto(page, summary.ui_link(mlflow_server, experiment_id), tmp_path, "ui-link")
+        ui_screens.goto(page, studies.ui_link(mlflow_server, experiment_id), tmp_path, "ui-link")
         ui_screens.wait_for_texts(page, ["Run Name", "the-parent-run", "Models"], tmp_path, "ui-link", 60,
                                   "the runs table of the model-training view")
         assert "workflowType=machine_learning" in page.url and f"/experiments/{experiment_id}/runs" in page.url

@@ -25,7 +25,7 @@ from trainables import metrics as M
 from trainables.config import TrainConfig
 from trainables.data import warm_decode_cache
 from trainables.search import compile_ahead
-from trainables.search import experiments, mlflow_runs, progress, studies, summary
+from trainables.search import experiments, mlflow_runs, progress, studies
 from trainables.search.confirm import run_confirm
 from trainables.search.experiments import (FinishChildRuns, check_resumable, check_tracking_server, lock_job,
                                           open_experiment)
@@ -120,7 +120,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
     best = progress.best_result(results, objective, settings.mode)   # None: every trial failed, said below
     failed = sum(1 for r in results if r.error)
     studies.end_orphaned_trials(study := studies.load(study_db, plan.name))
-    summary.record(uri, parent_id, study, space, plan, objective, round_.index)
+    studies.record(uri, parent_id, study, space, plan, objective, round_.index)
     if best is not None and best.metrics and best.metrics.get(objective) is not None:
         print(f"best trial {best.metrics.get('trial_id')}: {objective} = {best.metrics.get(objective):.4f} "
               f"at epoch {best.metrics.get(M.EPOCH)} (one seed)")
@@ -136,7 +136,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
               file=sys.stderr, flush=True)
         raise SystemExit(1)
     print(f"done: {len(results)} trials ({failed} failed). Compare them with "
-          + summary.ui_link(uri, experiment_id)
+          + studies.ui_link(uri, experiment_id)
           + f"; promote with `cowtune promote --search {plan.name}`", flush=True)
     return results
 
