@@ -11,7 +11,7 @@ from trainables.validation import ConfigError
 def test_a_dataset_of_known_size_is_checked_against_the_labels_without_its_files():
     """CIFAR-10 (50,000 images, 10 balanced classes) before a download: the labeled subset must fit what the holdout
     leaves; digits' 1,797 images likewise. Nothing is read but scikit-learn's digits."""
-    from trainables.search.settings import check_splits
+    from trainables.search.plan import check_splits
 
     def cfg(dataset: str, **data) -> TrainConfig:
         return TrainConfig.from_dict({"data": {"dataset": dataset, "root": "/nowhere", "eval_split": "val", **data}})

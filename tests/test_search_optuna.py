@@ -7,7 +7,7 @@ import pytest
 from trainables import metrics as M
 from trainables.search import intervals
 from trainables.search.studies import BudgetAwareOptunaSearch
-from trainables.search.settings import parse_args, prepare_search
+from trainables.search.plan import parse_args, prepare_search
 from trainables.validation import ConfigError
 import search_spaces.cifar10_cowmix as cowmix
 

@@ -15,7 +15,7 @@ from conftest import BOX, run_search_script, without_engine_env
 from trainables import metrics as M
 from trainables.search import progress
 from trainables.search.intervals import Float
-from trainables.search.settings import SearchSettings, parse_args
+from trainables.search.plan import SearchSettings, parse_args
 
 PARAMS = ["mix.sigma_range", "mix.weight", "teacher.alpha"]
 ERR = M.VAL_ERROR_TEACHER

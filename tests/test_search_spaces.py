@@ -9,7 +9,7 @@ import torch
 
 from trainables.search import intervals
 from trainables.search.intervals import Choice, Float, Interval
-from trainables.search.settings import SearchSettings, parse_args, prepare_search
+from trainables.search.plan import SearchSettings, parse_args, prepare_search
 from trainables.search.trial import HoldoutOnly, train_trial
 from trainables.validation import ConfigError
 
@@ -128,7 +128,7 @@ def test_data_that_a_trial_could_not_read_fails_on_the_driver(tmp_path):
     """A JPEG zip passed for the torchvision cifar10 layout is refused before Ray, with the fix named."""
     import zipfile
 
-    from trainables.search.settings import check_files
+    from trainables.search.plan import check_files
 
     mod = load(FILES[0])
     archive = tmp_path / "train.zip"
@@ -157,7 +157,7 @@ def test_grace_period_counts_the_images_of_an_imagefolder_zip(tmp_path):
     import zipfile
 
     from trainables.config import TrainConfig
-    from trainables.search.settings import grace_rule
+    from trainables.search.plan import grace_rule
 
     archive = tmp_path / "train.zip"
     with zipfile.ZipFile(archive, "w") as z:

@@ -18,7 +18,7 @@ SPACE = {"mix": {"sigma_range": intervals.Interval(1.0, 32.0, log=True, min_widt
 
 
 def plan(name: str, trials: int) -> SimpleNamespace:
-    """What studies.record reads of a search's plan (trainables.search.settings.Plan)."""
+    """What studies.record reads of a search's plan (trainables.search.plan.Plan)."""
     return SimpleNamespace(name=name, epochs=30, grace=8, num_samples=trials)
 
 

@@ -45,7 +45,7 @@ def _cmd_confirm(args: argparse.Namespace) -> int:
 
 def _cmd_final(args: argparse.Namespace) -> int:
     from trainables.search.final_job import run_final
-    from trainables.search.settings import check_job_name
+    from trainables.search.plan import check_job_name
 
     if not Path(args.config).exists():
         raise ConfigError(f"--config {args.config} does not exist (write it with `cowtune promote`)")

@@ -30,8 +30,7 @@ from trainables.search.confirm import run_confirm
 from trainables.search.experiments import (FinishChildRuns, check_resumable, check_tracking_server, lock_job,
                                           open_experiment)
 from trainables.search.gate import Confirm
-from trainables.search.settings import (HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args,
-                                       prepare_search)
+from trainables.search.plan import HOLDOUT, SearchSettings, check_data_fits, check_files, parse_args, prepare_search
 from trainables.search.trial import META, train_trial, trial_resources
 from trainables.validation import ConfigError, disk_full
 

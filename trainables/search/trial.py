@@ -36,7 +36,7 @@ from trainables.data import TrainData, prepare_data
 from trainables.fast.compile_options import tune_kernels_by_default
 from trainables.gallery import config_gallery
 from trainables.search.mlflow_runs import TrialRun
-from trainables.search.settings import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
+from trainables.search.plan import GPU_FRACTION, trial_resources  # noqa: F401 - the trainable's resources
 from trainables.trainer import fit, resolve_device
 from trainables.validation import ConfigError, RunOutOfMemory, TrainingDiverged
 
