@@ -761,7 +761,7 @@ def nothing_starts():
     import trainables.search.compile_ahead
     import trainables.search.driver
     import trainables.search.experiments
-    import trainables.search.final_job
+    import trainables.search.final
     import trainables.trainer
 
     def started(what: str):
@@ -773,7 +773,7 @@ def nothing_starts():
         mp.setattr(trainables.trainer, "build_runner", started("a model was built to train"))
         mp.setattr(ray, "init", started("Ray started"))
         mp.setattr(trainables.search.experiments, "init_ray", started("Ray started"))
-        for module in (trainables.search.driver, trainables.search.final_job):
+        for module in (trainables.search.driver, trainables.search.final):
             mp.setattr(module, "open_experiment", started("the MLflow experiment was opened"))
         mp.setattr(trainables.search.compile_ahead, "start", started("the compile-ahead process started"))
         yield

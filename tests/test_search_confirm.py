@@ -8,7 +8,7 @@ epochs of 12 steps spread a tiny model's seeds by up to 11 points, so the search
 seeds the lucky one is the paper's config run for run (the stage sets the seed), so its paired differences are all
 0 and it must not be promoted; the learning rate that learns must be, and `cowtune promote` writes it.
 
-Then `cowtune confirm --seeds 5` (``trainables.search.more_seeds``) brings the leader and the paper's config to 5
+Then `cowtune confirm --seeds 5` (``trainables.search.promote``) brings the leader and the paper's config to 5
 seeds from the MLflow store: only those 4 runs train, the gate judges again over every seed, `cowtune promote`
 registers the median of the five, and the same command again trains nothing.
 """

@@ -37,14 +37,14 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 
 
 def _cmd_confirm(args: argparse.Namespace) -> int:
-    from trainables.search.more_seeds import run
+    from trainables.search.promote import run
 
     run(args)
     return 0
 
 
 def _cmd_final(args: argparse.Namespace) -> int:
-    from trainables.search.final_job import run_final
+    from trainables.search.final import run_final
     from trainables.search.plan import check_job_name
 
     if not Path(args.config).exists():

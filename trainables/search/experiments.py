@@ -1,4 +1,4 @@
-"""Driver-side pieces shared by a search (``trainables.search.driver``) and a final job (``trainables.search.final_job``):
+"""Driver-side pieces shared by a search (``trainables.search.driver``) and a final job (``trainables.search.final``):
 start Ray, open or re-open the MLflow parent run and the Ray experiment, close each trial's child run.
 
 What a search or final job computes, recorded with its MLflow parent run and compared when the same name
