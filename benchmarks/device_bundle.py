@@ -33,7 +33,7 @@ SITE = BUNDLE / "site"
 TARBALL = BUNDLE / "site.tar.xz"
 
 # What the search code imports (trainables/search/*.py): ray, ray.tune (+ ray.tune.search.optuna), ray.train
-# (TorchTrainer, optional: ddp.py), optuna (RDB storage), mlflow (MlflowClient, entities). Ray's `tune` extra
+# (TorchTrainer, optional: trial.py), optuna (RDB storage), mlflow (MlflowClient, entities). Ray's `tune` extra
 # covers ray.train too (same requirements as `train`); `default` (dashboard, metrics agent) is left out:
 # experiments.init_ray starts Ray with include_dashboard=False, and without aiohttp_cors/opencensus Ray runs as a
 # minimal install (no dashboard agent). mlflow-skinny and mlflow-tracing are requirements of mlflow.

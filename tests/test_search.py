@@ -57,6 +57,19 @@ def test_the_search_prints_a_short_table(search):
     assert not BOX & set(text)
 
 
+def test_every_search_module_the_ray_experiment_names_imports(search):
+    """Ray stores the searcher, the callbacks and the progress table in ``tuner.pkl`` (and the searcher's state) by
+    module path (docs/journal/2026-12-03-search-rooms.md, §4): each ``trainables.search`` module named there must
+    import, or a search started before a module was renamed cannot resume."""
+    import importlib
+
+    files = [p for p in (search[0] / "ray").rglob("*.pkl") if p.name == "tuner.pkl" or p.name.startswith("searcher")]
+    names = {m.decode() for p in files for m in re.findall(rb"trainables\.search\.[a-z_]+", p.read_bytes())}
+    assert files and names, (files, names)
+    for name in sorted(names):
+        importlib.import_module(name)
+
+
 def test_search_records_parent_child_runs_metrics_and_artifacts(search, mlflow_server, tmp_path):
     assert "done: 3 trials (0 failed)" in search[1].stdout
     client, parents, children = runs_of(mlflow_server, "e2e")

@@ -18,3 +18,16 @@ def test_every_search_module_stays_within_the_line_budget():
     sizes = {p.name: len(p.read_text().splitlines()) for p in sorted(SEARCH.glob("*.py"))}
     assert len(sizes) > 5, sizes   # the package was read
     assert not {n: v for n, v in sizes.items() if v > MAX_LINES}, sizes
+
+
+def test_the_subcommands_parse_without_the_search_stack():
+    """``cowtune --help`` and a bad argument answer at once: ``trainables.search.cli`` imports Ray, MLflow and
+    Optuna only inside the subcommands that run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainables.search.cli; "
+            "print(sorted(m for m in ('ray', 'mlflow', 'optuna') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -140,7 +140,7 @@ def test_the_same_search_with_more_trials_grows_the_study_under_the_same_parent_
     assert parents[0].data.tags["cowtune.rounds_done"] == "2" and parents[0].data.tags["cowtune.trials"] == "3"
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
     assert (stack["storage"] / f"{NAME}-more1").is_dir()
-    # The parent run says how the search went (trainables/search/summary.py), updated by the second round
+    # The parent run says how the search went (trainables/search/studies.py), updated by the second round
     best = parents[0].data
     assert best.metrics["search.trials_complete"] + best.metrics["search.trials_pruned"] == 3
     assert best.metrics["val/error_teacher_mean3"] == pytest.approx(study.best_value)   # the search file's objective

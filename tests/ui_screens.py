@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
-MASKS_FILE = "masks.png"            # trainables/search/tune_trainable.py: the trial's mask gallery
-CURVE_FILE = "learning_curve.png"   # trainables/search/curves.py CURVE_FILE: the trial's learning curve
+MASKS_FILE = "masks.png"            # trainables/search/trial.py: the trial's mask gallery
+CURVE_FILE = "learning_curve.png"   # trainables/search/trial.py CURVE_FILE: the trial's learning curve
 METRIC = "val/error_teacher"        # trainables/metrics.py VAL_ERROR_TEACHER: what the search minimises
 VIEWPORT = {"width": 1440, "height": 900}
 # Headless (Playwright adds --headless); a closed network: nothing in the background (updates, sync, field trials),

@@ -14,7 +14,7 @@ single process would draw, and worker ``rank`` of ``world`` trains on its ``trai
   (``GradientMean``, one all-reduce inside the step, so the whole step stays one CUDA graph as on one GPU): the
   students stay identical and so do the teachers. ``replica_spread`` (0 when in sync) checks it.
 
-Nothing here imports Ray: ``trainables/search/ddp.py`` launches the workers with Ray Train in ``cowtune final``;
+Nothing here imports Ray: ``trainables/search/trial.py`` launches the workers with Ray Train in ``cowtune final``;
 ``launch_local`` starts them as local processes (``benchmarks/data_parallel_epoch.py`` and the tests).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything that can be wrong with a search is checked before Ray starts (``prepare_search``). The same command again
 restores a search whose driver died (``Tuner.restore``, the same MLflow parent run), or with a larger --trials grows
-a finished one (``studies``); a round's end puts the best trial, a description and plots on the parent (``summary``).
+a finished one (``studies``); a round's end puts the best trial, a description and plots on the parent (``studies``).
 
 Early stopping and TPE: ``studies.BudgetAwareOptunaSearch``.
 
@@ -141,7 +141,7 @@ def _run(plan: Any, space: dict[str, Any], settings: SearchSettings, args: Any, 
 
 
 def _stop_if_stopped(name: str, uri: str, parent_id: str) -> None:
-    """Stopped by a signal (``interrupt``): parent run KILLED, Ray shut down (workers' last lines first), one line."""
+    """Stopped by a signal (``stop_cleanly``): parent KILLED, Ray shut down (workers' last lines first), one line."""
     if (by := experiments.stopped_by()) is not None:
         mlflow_runs.finish_run(uri, parent_id, "KILLED")
         ray.shutdown()

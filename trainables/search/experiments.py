@@ -65,7 +65,7 @@ class FinishChildRuns(tune.Callback):
     final learning curve from what MLflow recorded (a trial redraws its own at most every 30 s). A ``ConfigError``
     would recur, but Ray retries any failure (max_failures; no per-exception policy in 2.60): when it queues such a
     trial again, its retries go and its config carries the message (``REFUSED``): that attempt stops at once
-    (``tune_trainable.train_trial``), before any data, model or MLflow run. Ray's traceback of it is left out."""
+    (``trial.train_trial``), before any data, model or MLflow run. Ray's traceback of it is left out."""
 
     def __init__(self, uri: str, experiment_id: str, parent_id: str, full_epochs: int):
         self.uri, self.experiment_id, self.parent_id, self.full_epochs = uri, experiment_id, parent_id, full_epochs
@@ -140,7 +140,7 @@ def open_experiment(name: str, storage: str, tags: dict[str, str], settings: dic
     parent run id, restoring).
 
     ``settings`` (flat: field -> value) say what the job computes; a new parent run records them as its parameters,
-    which ``job_settings.check_resumable`` compares: callers run it first, before any process starts.
+    which ``check_resumable`` compares: callers run it first, before any process starts.
     ``rounds``: a search's Ray experiments (``studies.Round``), this run's last; one parent run holds them all."""
     uri = mlflow_runs.resolve_tracking_uri()
     experiment_id = mlflow_runs.ensure_experiment(uri, name)

@@ -119,7 +119,7 @@ def parse_args(settings: SearchSettings, argv: list[str] | None = None) -> argpa
     p.add_argument("--cpus-per-trial", type=int, default=1)
     p.add_argument("--gpu-share", type=float, metavar="F",
                    help="GPU share per trial, e.g. 0.125 to pack 8 trials on a GPU (default: the model's, "
-                        "GPU_FRACTION in trainables/search/settings.py; each trial caps its memory at it)")
+                        "GPU_FRACTION in trainables/search/plan.py; each trial caps its memory at it)")
     p.add_argument("--seed", type=int, help=f"TPE seed (default {settings.seed})")
     p.add_argument("--no-compile-ahead", action="store_true",
                    help="do not compile the training step on this machine's GPU while the trials start "

@@ -9,7 +9,7 @@ every ``interval_s`` seconds when something changed and whenever a trial ends, a
 many trials run, finished the full budget, were stopped early by ASHA (pruned), errored or wait; one row per
 trial (epoch reached, last and best objective, the searched hyperparameters): the running ones, those just ended,
 then the finished ones best first (ties: the trial made first, ``trial_number``), up to ``MAX_ROWS``; the best so
-far. One summary line at the end. ``--ray-output`` (``settings.parse_args``) gives Ray's own output back, as it
+far. One summary line at the end. ``--ray-output`` (``plan.parse_args``) gives Ray's own output back, as it
 was before, and no table.
 
 What else is quietened while the table is on (``SearchProgress.setup``, undone in ``on_experiment_end``):
@@ -45,7 +45,7 @@ from trainables import metrics as M
 from trainables.search import experiments, intervals
 from trainables.search.trial import META, REFUSED
 
-# The trainer's routine lines, as tune_trainable prints them: "[<trial name>] <line>".
+# The trainer's routine lines, as trial.train_trial prints them: "[<trial name>] <line>".
 TRAINER_LINES = r"^\[\w+_[0-9a-f]{5,8}(?:_\d{5})?\] (?:data: |model |  first step |  epoch |epoch )"
 RAY_TRAIN_LINES = r"^Checkpoint successfully created at: "
 MLFLOW_LINES = r"^(?:\U0001f3c3 View run \S+ at: |\U0001f9ea View experiment at: )"
