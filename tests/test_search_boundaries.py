@@ -31,3 +31,16 @@ def test_the_subcommands_parse_without_the_search_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_promote_loads_no_ray():
+    """``cowtune promote`` reads MLflow only: its module imports Ray (``experiments``, ``confirm``) only inside
+    ``cowtune confirm --seeds``, so it answers within seconds, as an unreachable tracking server's one line."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainables.search.promote; "
+            "print(sorted(m for m in ('ray', 'optuna', 'trainables.trainer') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -38,9 +38,7 @@ from mlflow.tracking import MlflowClient
 
 from trainables import metrics as M
 from trainables.config import TrainConfig
-from trainables.search import confirm as stage
 from trainables.search import gate, mlflow_runs
-from trainables.search.experiments import check_tracking_server
 from trainables.search.gate import REFERENCE, Candidate
 from trainables.validation import ConfigError, check, writable_file
 
@@ -79,6 +77,8 @@ def promote(search: str, out: str | Path, alias: str = "champion", model_name: s
             metric: str | None = None, unconfirmed: bool = False) -> dict[str, Any]:
     """Register the confirmed config's checkpoint under ``model_name@alias`` and write its config to ``out``: all or
     nothing (``out`` is checked before the registry is touched, and written by an atomic rename)."""
+    from trainables.search.experiments import check_tracking_server   # here: promote never loads Ray (it imports it)
+
     out = writable_file(out, "--out")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no download bars in the console
     uri = check_tracking_server()
@@ -147,7 +147,8 @@ def _best_trial(client: MlflowClient, parent: Any, children: list[Any], metric: 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from trainables.search.experiments import init_ray, lock_job
+    from trainables.search import confirm as stage
+    from trainables.search.experiments import check_tracking_server, init_ray, lock_job
 
     check(args.seeds >= 3, "--seeds", "be at least 3 (seeds per config in all)", args.seeds)
     check(args.gpu_share is None or 0 < args.gpu_share <= 1, "--gpu-share", "be in (0, 1]", args.gpu_share)
@@ -227,6 +228,7 @@ def _gate_settings(record: dict[str, Any]) -> dict[str, Any]:
 def _candidate(client: MlflowClient, row: dict[str, Any], runs: list[Any], objective: str, metric: str,
                window: int, epochs: int) -> Candidate:
     """A config of the stage with its finished runs' objectives and curves, read back from MLflow."""
+    from trainables.search import confirm as stage
     c = Candidate(row["label"], row["search_value"], window=window, verdict=row["verdict"])
     for r in runs:
         if (r.data.tags.get(stage.CANDIDATE_TAG) == c.label and objective in r.data.metrics
@@ -252,5 +254,6 @@ def _chosen(candidates: list[Candidate], only: str | None) -> list[Candidate]:
 
 def _config(client: MlflowClient, runs: list[Any], label: str) -> dict[str, Any]:
     """A candidate's config, from one of its confirm runs (the seed is set per run)."""
+    from trainables.search import confirm as stage
     run = next(r for r in runs if r.data.tags.get(stage.CANDIDATE_TAG) == label)
     return yaml.safe_load(mlflow_runs.read_artifact(client, run, "config.yaml"))
