@@ -319,6 +319,8 @@ def test_embedded_defaults_and_a_relative_data_path(tmp_path, digits_tree):
                                                   "data.dataset=imagefolder", "--set", "data.n_val=30",
                                                   "--set", "data.n_labeled=20"], env, tmp_path)
     assert "mlflow ui --backend-store-uri sqlite:///mlflow.db" in out.stdout
+    forwarded = [line for line in (out.stdout + out.stderr).splitlines() if "(train_trial pid=" in line]
+    assert forwarded and not any("\x1b[" in line for line in forwarded), forwarded   # a pipe: no colour codes
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "ray_results" / "cifar10_cowout-smoke").is_dir()
     client, parents, children = runs_of(f"sqlite:///{tmp_path / 'mlflow.db'}", "cifar10_cowout-smoke")
     assert len(parents) == 1 and len(children) == 1 and children[0].info.status == "FINISHED"

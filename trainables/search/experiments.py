@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -127,6 +128,8 @@ def epoch_rows(uri: str, run_id: str) -> tuple[str, list[dict[str, float]]]:
 def init_ray() -> None:
     """Join RAY_ADDRESS when set (a cluster, `ray job submit`), else start Ray locally on loopback."""
     if not ray.is_initialized():
+        if not sys.stdout.isatty():   # the trials' forwarded lines into a log file or a pipe: no ANSI colour codes
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
