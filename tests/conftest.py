@@ -32,12 +32,13 @@ _GIVEN_PORTS: set[int] = set()
 # The suite runs on pytest-xdist workers (scripts/test.sh). Each worker is a pytest session of its own, so it starts
 # its own session services (Ray head, MLflow server, PostgreSQL; each on free ports and in folders of its own) when a
 # test there first asks for them, and runs one test at a time: two tests that share one server never run at once.
-# A test module runs whole on one worker (its module fixtures start once). The exceptions, SOLO_TESTS, are long tests
-# that start a local Ray of their own (`ray.init(address="local")`: a search with embedded defaults, under SIGTERM, on
-# a full disk, the benchmark's search and packing modes) and share no module fixture: each is a scope of its own, so
-# they spread over the workers. Two local Rays at once work: the second's dashboard agent cannot bind Ray's fixed port
-# 52365, retries for about 3 s and carries on without its HTTP service, which neither Tune nor cowtune uses.
-SOLO_TESTS = (
+# A test module runs whole on one worker (its module fixtures start once). The one exception: the tests that start
+# a local Ray of their own (`ray.init(address="local")`: a search with embedded defaults, under SIGTERM, on a full
+# disk, the benchmark's search and packing modes) form one scope, "local-ray", and run one after another on one
+# worker, as in a serial run. Two local Rays at once do work (the second's dashboard agent cannot bind Ray's fixed
+# port 52365 and carries on without its HTTP service), but each believes it has every core and runs trials on all
+# of them: with these seven as scopes of their own, the suite took 2039 s on 4 workers, against 1027 s serial.
+LOCAL_RAY_TESTS = (
     "test_bad_inputs.py::test_a_search_whose_storage_fills_up_ends_in_one_line_naming_it",
     "test_benchmark.py::test_packing_mode_tiny_cpu",
     "test_benchmark.py::test_search_mode_tiny_cpu",
@@ -49,10 +50,9 @@ SOLO_TESTS = (
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The xdist scope of a test: its module's path, or for one of SOLO_TESTS, the test itself."""
+    """The xdist scope of a test: ``local-ray`` or its module's path."""
     module, _, name = nodeid.partition("::")
-    solo = f"{_stem(nodeid)}.py::{name.split('[')[0]}"
-    return solo if solo in SOLO_TESTS else module
+    return "local-ray" if f"{_stem(nodeid)}.py::{name.split('[')[0]}" in LOCAL_RAY_TESTS else module
 
 
 def _stem(nodeid: str) -> str:
@@ -63,7 +63,7 @@ def _stem(nodeid: str) -> str:
 # Scopes of 25 s or more, longest first (seconds on 2 cores busy with other work too, 2026-12-03, e9b41be; the
 # README's suite on 2 workers): the workers take them first, then the rest in collection order, so no long scope
 # starts last and leaves the other workers idle at the end.
-LONG_SCOPES = {"tests/test_search.py": 286, "tests/test_benchmark.py": 199,
+LONG_SCOPES = {"local-ray": 517, "tests/test_search.py": 286, "tests/test_benchmark.py": 199,
                "tests/test_team_stack.py": 187, "tests/test_cluster.py": 182, "tests/test_search_confirm.py": 171,
                "tests/test_tracking_outage.py": 150, "tests/test_fast_path.py": 141, "tests/test_bad_inputs.py": 122,
                "tests/test_end_to_end.py": 121, "tests/test_search_resume.py": 112, "tests/test_compile_ahead.py": 97,
@@ -72,9 +72,6 @@ LONG_SCOPES = {"tests/test_search.py": 286, "tests/test_benchmark.py": 199,
                "tests/test_trainer.py": 47, "tests/test_compile_lock.py": 47, "tests/test_imagenet_benchmark.py": 43,
                "tests/test_search_asha.py": 40, "tests/test_search_summary.py": 33, "tests/test_search_progress.py": 31,
                "tests/test_fast_conv.py": 28, "tests/test_legacy_checkpoints.py": 28, "tests/test_wgrad_stream.py": 26}
-# SOLO_TESTS: the local-ray scope they made took 517 s on that run; the full-disk search, about 130 s alone, takes
-# 300-450 s on 2 busy cores (2026-12-03), the others share the rest.
-LONG_SCOPES.update({name: 300 if "storage_fills_up" in name else 70 for name in SOLO_TESTS})
 
 
 # The fast tier (`pytest -m "not slow"`, at most 2 minutes on 2 cores; README, "Development"): besides the tests marked
@@ -153,14 +150,14 @@ SLOW_TESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks SLOW_TESTS, refuses names in SLOW_TESTS or SOLO_TESTS that match no test, and puts the long scopes
+    """Marks SLOW_TESTS, refuses names in SLOW_TESTS or LOCAL_RAY_TESTS that match no test, and puts the long scopes
     first on a worker."""
     for item in items:
         if any(part in item.nodeid for part in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
     whole_files = not config.option.keyword and all("::" not in a for a in config.args)
     collected = {_stem(item.nodeid) + ".py" for item in items}
-    for listed, names in (("SLOW_TESTS", SLOW_TESTS), ("SOLO_TESTS", SOLO_TESTS)):
+    for listed, names in (("SLOW_TESTS", SLOW_TESTS), ("LOCAL_RAY_TESTS", LOCAL_RAY_TESTS)):
         stale = [part for part in names if whole_files and part.partition("::")[0] in collected
                  and not any(part in item.nodeid for item in items)]
         if stale:
