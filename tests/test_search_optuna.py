@@ -77,3 +77,37 @@ def test_a_trial_left_running_by_a_killed_driver_ends_as_fail_with_the_reason(tm
     assert states[1][0] == optuna.trial.TrialState.FAIL and states[1][1].startswith("asked before the driver died")
     assert "Optuna trial 1: asked before the driver died" in capsys.readouterr().out
     end_orphaned_trials(None)                      # no study database: nothing to do
+
+
+def test_a_restored_searcher_leaves_alone_a_trial_the_study_ended_after_ray_saved_it(tmp_path):
+    """The driver told Optuna that trial 0 ended (and trial 1 reported epoch 2) after Ray last saved the searcher,
+    then died. Restored from Ray's file, the searcher reads the study: Ray runs trial 0 on from its checkpoint and
+    its reports and end change nothing (before, the first raised UpdateFinishedTrialError and the resumed search
+    failed); trial 1's epoch 2 is not reported twice, and its later epochs are."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = optuna.storages.RDBStorage(url)
+    plan = prepare_search(cowmix.BASE, cowmix.SPACE, cowmix.SEARCH, parse_args(cowmix.SEARCH, ["--epochs", "3"]))
+    s = BudgetAwareOptunaSearch(cowmix.SPACE, plan.epochs, metric=M.VAL_ERROR_TEACHER, mode="min",
+                                points_to_evaluate=plan.points, study_name="s", storage=storage)
+    for tid in ("t0", "t1"):
+        s.suggest(tid)
+        s.on_trial_result(tid, {M.VAL_ERROR_TEACHER: 0.6, M.EPOCH: 1})
+    s.save(str(tmp_path / "searcher.pkl"))                        # Ray's last save before the kill
+    for epoch in (2, 3):
+        s.on_trial_result("t0", {M.VAL_ERROR_TEACHER: 0.5, M.EPOCH: epoch})
+    s.on_trial_complete("t0", {M.VAL_ERROR_TEACHER: 0.4, M.EPOCH: 3})
+    s.on_trial_result("t1", {M.VAL_ERROR_TEACHER: 0.7, M.EPOCH: 2})
+
+    restored = BudgetAwareOptunaSearch(cowmix.SPACE, plan.epochs, metric=M.VAL_ERROR_TEACHER, mode="min",
+                                       study_name="s", storage=storage)
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    restored.on_trial_result("t0", {M.VAL_ERROR_TEACHER: 0.45, M.EPOCH: 3})   # Ray re-runs its last epoch
+    restored.on_trial_complete("t0", {M.VAL_ERROR_TEACHER: 0.45, M.EPOCH: 3})
+    for epoch in (2, 3):
+        restored.on_trial_result("t1", {M.VAL_ERROR_TEACHER: 0.3, M.EPOCH: epoch})
+    restored.on_trial_complete("t1", {M.VAL_ERROR_TEACHER: 0.3, M.EPOCH: 3})
+    t0, t1 = optuna.load_study(study_name="s", storage=url).trials
+    assert (t0.state, t0.value, t0.intermediate_values) == (optuna.trial.TrialState.COMPLETE, 0.4,
+                                                            {1: 0.6, 2: 0.5, 3: 0.5})
+    assert (t1.state, t1.value, t1.intermediate_values) == (optuna.trial.TrialState.COMPLETE, 0.3,
+                                                            {1: 0.6, 2: 0.7, 3: 0.3})

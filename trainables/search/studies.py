@@ -173,6 +173,17 @@ class BudgetAwareOptunaSearch(OptunaSearch):
             self._ot_trials[trial_id] = self._ot_study.ask(fixed_distributions=self._space)
         return intervals.decode(self._cow_space, self._ot_trials[trial_id].params)
 
+    def restore(self, checkpoint_path: str) -> None:
+        """Ray's saved searcher, brought up to what the study's database holds since: a driver killed after it told
+        Optuna that a trial ended (or reported an epoch) but before Ray saved this searcher restores that trial as
+        running, and Ray runs it on from its checkpoint; its reports are then the database's already (reporting
+        to an ended trial raises UpdateFinishedTrialError)."""
+        super().restore(checkpoint_path)
+        for trial_id, trial in self._ot_trials.items():
+            trial._cached_frozen_trial = self._ot_study._storage.get_trial(trial._trial_id)
+            if trial._cached_frozen_trial.state.is_finished():
+                self._completed_trials.add(trial_id)
+
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         trial = self._ot_trials[trial_id]
         if trial_id not in self._completed_trials and int(result.get(M.EPOCH, 0)) not in \
