@@ -26,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PG_BIN = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)), None)   # Debian's server
 
+# Ray starts its worker processes (a search's trials) at nice 15, below everything else. On 2 cores shared with the
+# other workers' tests, a local Ray's trials then got almost no CPU: the benchmark's packing mode, 44 s alone, took
+# 374 s beside six busy loops and timed out at 600 s in the suite (122 s at nice 0). Every Ray the tests start, local
+# or `ray start`, inherits this from the environment.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 _GIVEN_PORTS: set[int] = set()
 
