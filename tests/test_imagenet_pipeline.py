@@ -300,11 +300,11 @@ def test_hybrid_host_rows_and_device_rows_have_the_same_pixel_statistics(tmp_pat
 
 
 def test_decode_auto_takes_the_stated_rule_and_hybrid_without_a_fraction_does_too(jpeg_tree):
-    assert [D.auto_cpu_fraction(b, w) for b, w in ((128, 16), (64, 16), (16, 16), (63, 16))] == [0.7, 0.7, 1.0, 1.0]
-    assert [D.auto_cpu_fraction(128, w) for w in (0, 8, 32)] == [0.0, 0.35, 1.0]
+    assert [D.auto_cpu_fraction(b, w) for b, w in ((128, 16), (64, 16), (16, 16), (63, 16))] == [0.8, 0.8, 1.0, 1.0]
+    assert [D.auto_cpu_fraction(128, w) for w in (0, 8, 32)] == [0.0, 0.4, 1.0]
     assert D.auto_cpu_fraction(16, 4) == 0.25
     data = D.prepare_data(tree_config(jpeg_tree, "hybrid", workers=4), 0, CPU)   # None: the rule, 4 workers
-    assert "data.decode hybrid's rule: 0.175 of batches of 64 or more a worker, 0.25 of smaller ones" in data.describe()
+    assert "data.decode hybrid's rule: 0.2 of batches of 64 or more a worker, 0.25 of smaller ones" in data.describe()
     list(data.train_batches(0, 0, 8, 1, False))
     assert data.used == (0.25, 2, 8) and "0.25 of each batch (data.decode hybrid's rule at 8 a worker)" in \
         data.describe()
