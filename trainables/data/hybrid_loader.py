@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 AUTO_WORKERS = 16             # the workers the shares below were worked out for; scaled linearly by data.workers
 AUTO_LARGE_BATCH = 64         # per-GPU labeled batch at and above which the large-batch share applies
 AUTO_SHARE_LARGE = 0.8        # the best measured for ResNet-50 at 128, the paper's model at its per-GPU batch
-AUTO_SHARE_SMALL = 1.0        # 16 workers outrun the step at 16 a GPU (748 images/s); the device path measured 64%
+AUTO_SHARE_SMALL = 1.0        # pil measured 0.98 of ResNet-50's ceiling at 16 a GPU; the device path 0.65
 
 
 def auto_cpu_fraction(per_gpu_batch: int, workers: int) -> float:
